@@ -1,0 +1,152 @@
+"""The boosted model and optimizer: run a stage's forward, then reduce gradients across stages and replicas."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from shardformer.layer.spec import get_tp_spec
+
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def make_buckets(params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> List[List[nn.Parameter]]:
+    """Group parameters (same dtype and device) into buckets of about `bucket_bytes`, for one collective each."""
+    buckets: List[List[nn.Parameter]] = []
+    open_buckets: Dict[tuple, List[nn.Parameter]] = {}
+    sizes: Dict[tuple, int] = {}
+    for p in params:
+        key = (p.dtype, p.device)
+        bucket = open_buckets.setdefault(key, [])
+        bucket.append(p)
+        sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
+        if sizes[key] >= bucket_bytes:
+            buckets.append(open_buckets.pop(key))
+            sizes[key] = 0
+    buckets.extend(b for b in open_buckets.values() if b)
+    return buckets
+
+
+class HybridParallelModule(nn.Module):
+    """Wraps the sharded HF model (`unwrap()` returns it); forward is the model's own, pruned to this stage."""
+
+    def __init__(self, module: nn.Module, stage_forward, dp_group: Optional[dist.ProcessGroup],
+                 tp_group: Optional[dist.ProcessGroup], pp_group: Optional[dist.ProcessGroup],
+                 shared_params: List[tuple]) -> None:
+        super().__init__()
+        self.module = module
+        self._stage_forward = stage_forward
+        self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.shared_params = shared_params  # [(parameter, group of the stages holding it, is_owner)]
+        self._buckets = make_buckets(p for p in module.parameters() if p.requires_grad)
+
+    def unwrap(self) -> nn.Module:
+        return self.module
+
+    def forward(self, *args, **kwargs) -> Any:
+        if self._stage_forward is not None:
+            return self._stage_forward(*args, **kwargs)
+        return self.module(*args, **kwargs)
+
+    # -- gradient reduction (called by the optimizer's step) ---------------------------------------------
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        """Sum gradients of parameters shared by stages (tied embeddings), then average over data parallel."""
+        for p, group, _ in self.shared_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+        if self.dp_size == 1:
+            return
+        for bucket in self._buckets:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            flat.div_(self.dp_size)
+            for p, synced in zip(bucket, _unflatten_dense_tensors(flat, grads)):
+                if p.grad is None:
+                    p.grad = synced
+                else:
+                    p.grad.copy_(synced)
+
+    @torch.no_grad()
+    def sync_params(self) -> None:
+        """Make replicas identical at start: dp rank 0's parameters, and the first holder's shared parameters."""
+        if self.dp_size > 1:
+            src = dist.get_global_rank(self.dp_group, 0)
+            for bucket in make_buckets(self.module.parameters()):
+                flat = _flatten_dense_tensors([p.data for p in bucket])
+                dist.broadcast(flat, src=src, group=self.dp_group)
+                for p, synced in zip(bucket, _unflatten_dense_tensors(flat, [p.data for p in bucket])):
+                    p.data.copy_(synced)
+        for p, group, _ in self.shared_params:
+            dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm of the whole (unsharded) model: each parameter element counted once."""
+        counted_elsewhere = {id(p) for p, _, owner in self.shared_params if not owner}
+        tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+        grads = [p.grad.detach().double() for p in self.module.parameters()
+                 if p.grad is not None and id(p) not in counted_elsewhere
+                 and (get_tp_spec(p) is not None or tp_rank == 0)]  # replicated over tp: count on one tp rank
+        device = grads[0].device if grads else next(self.module.parameters()).device
+        if norm_type == math.inf:
+            total = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+        else:
+            total = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=device))
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        for group in (self.tp_group, self.pp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(total, op=op, group=group)
+        return total if norm_type == math.inf else total.pow(1.0 / norm_type)
+
+
+class HybridParallelOptimizer:
+    """Wraps the user's optimizer (now over this stage's parameters): gradient sync and clipping before step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: HybridParallelModule, max_norm: float = 0.0) -> None:
+        self.optim = optimizer
+        self.model = model
+        self.max_norm = max_norm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optim, name)
+
+    def unwrap(self) -> torch.optim.Optimizer:
+        return self.optim
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        loss.backward(**kwargs)
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        torch.autograd.backward(tensor, grad)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        total = self.model.grad_norm(norm_type)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for group in self.optim.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+        return total
+
+    def step(self, *args, **kwargs):
+        self.model.sync_grads()
+        if self.max_norm > 0:
+            self.clip_grad_norm(self.max_norm)
+        return self.optim.step(*args, **kwargs)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)

@@ -1,0 +1,96 @@
+"""Which pipeline stage this rank is, its neighbours, and which layers each stage (or virtual stage) holds."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+from .mesh import ProcessGroupMesh
+
+
+class PipelineStageManager:
+    """Stage bookkeeping along the mesh's pipeline axis.
+
+    With `num_model_chunks` > 1 each rank holds several model chunks (virtual stages) for interleaved
+    schedules: chunk c of stage s is virtual stage `c * num_stages + s`.
+    """
+
+    def __init__(self, pg_mesh: ProcessGroupMesh, pipeline_axis: int, num_model_chunks: int = 1,
+                 num_layers_per_stage: Optional[Sequence[int]] = None) -> None:
+        self.pg_mesh = pg_mesh
+        self.pipeline_axis = pipeline_axis
+        self.num_stages = pg_mesh.size(pipeline_axis)
+        self.stage = pg_mesh.coordinate[pipeline_axis]
+        self.num_model_chunks = num_model_chunks
+        self.model_chunk_id: Optional[int] = None  # set by interleaved schedules while running a chunk
+        self.num_layers_per_stage = list(num_layers_per_stage) if num_layers_per_stage is not None else None
+        self.stage_ranks: Tuple[int, ...] = pg_mesh.ranks_along_axis(pipeline_axis)
+        self.pp_group = pg_mesh.get_group_along_axis(pipeline_axis)
+
+    # -- position ---------------------------------------------------------------------------------------
+    def is_first_stage(self, ignore_chunk: bool = False) -> bool:
+        if self.num_model_chunks == 1 or ignore_chunk or self.model_chunk_id is None:
+            return self.stage == 0
+        return self.stage == 0 and self.model_chunk_id == 0
+
+    def is_last_stage(self, ignore_chunk: bool = False) -> bool:
+        last = self.stage == self.num_stages - 1
+        if self.num_model_chunks == 1 or ignore_chunk or self.model_chunk_id is None:
+            return last
+        return last and self.model_chunk_id == self.num_model_chunks - 1
+
+    def rank_of_stage(self, stage: int) -> int:
+        return self.stage_ranks[stage % self.num_stages]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.rank_of_stage(self.stage - 1)
+
+    @property
+    def next_rank(self) -> int:
+        return self.rank_of_stage(self.stage + 1)
+
+    @property
+    def first_rank(self) -> int:
+        return self.stage_ranks[0]
+
+    @property
+    def last_rank(self) -> int:
+        return self.stage_ranks[-1]
+
+    # -- layer split ------------------------------------------------------------------------------------
+    @staticmethod
+    def distribute_layers(num_layers: int, num_stages: int) -> List[int]:
+        """Even split; the remainder goes to the middle stages (the first holds embeddings, the last the head)."""
+        if num_layers < num_stages:
+            raise ValueError(f"Cannot split {num_layers} layers over {num_stages} pipeline stages: every stage "
+                             f"needs at least one layer. Use pp_size <= {num_layers}.")
+        quotient, remainder = divmod(num_layers, num_stages)
+        layers = [quotient] * num_stages
+        start = num_stages // 2 - remainder // 2
+        for i in range(start, start + remainder):
+            layers[i] += 1
+        return layers
+
+    def layers_per_virtual_stage(self, num_layers: int) -> List[int]:
+        """Layers of each virtual stage (num_stages * num_model_chunks of them), user split first."""
+        total = self.num_stages * self.num_model_chunks
+        if self.num_layers_per_stage is None:
+            return self.distribute_layers(num_layers, total)
+        split = self.num_layers_per_stage
+        if len(split) != total or sum(split) != num_layers or min(split) < 1:
+            raise ValueError(f"num_layers_per_stage={split} must have {total} positive entries summing to "
+                             f"the model's {num_layers} layers.")
+        return list(split)
+
+    def get_stage_index(self, layers_per_stage: Sequence[int], stage: Optional[int] = None,
+                        num_model_chunks: Optional[int] = None) -> Union[Tuple[int, int], List[Tuple[int, int]]]:
+        """[start, end) of the layers `stage` holds; a list of them, one per chunk, with several chunks."""
+        stage = self.stage if stage is None else stage
+        chunks = self.num_model_chunks if num_model_chunks is None else num_model_chunks
+        bounds = [0]
+        for n in layers_per_stage:
+            bounds.append(bounds[-1] + n)
+        indices = []
+        for c in range(chunks):
+            v = c * self.num_stages + stage
+            indices.append((bounds[v], bounds[v + 1]))
+        return indices[0] if chunks == 1 else indices

@@ -1,0 +1,5 @@
+"""ShardFormer: per-model policies that pipeline- and tensor-parallelize unmodified transformers models."""
+from .policies import Colwise, Policy, Rowwise, VocabEmbedding, VocabHead, get_autopolicy
+from .sharder import ShardConfig, Sharder
+
+__all__ = ["Policy", "Colwise", "Rowwise", "VocabEmbedding", "VocabHead", "get_autopolicy", "ShardConfig", "Sharder"]

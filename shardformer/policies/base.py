@@ -1,0 +1,177 @@
+"""Policy: the small, declarative per-model knowledge that pipeline and tensor parallelism need.
+
+A policy names, relative to the model's base model (e.g. `model` of LlamaForCausalLM): the repeated layer list,
+the entry modules only the first stage holds (and what stands in for them elsewhere), the exit modules only the
+last stage holds, and a tensor-parallel plan (module pattern -> parallel style, `*` for a layer index). Modules
+outside the base model (LM head, classifier) belong to the last stage. Everything else is derived.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+from ..stage import IDENTITY, INPUT, ZEROS  # noqa: F401  (re-exported for policies)
+
+
+# -- tensor-parallel styles (plans are data) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Colwise:
+    """Output features split over tp ranks; `n_fused` areas (e.g. q, k, v of a fused projection) split each."""
+    n_fused: int = 1
+    gather_output: bool = False
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Input features split over tp ranks; the output is all-reduced and the bias added once."""
+
+
+@dataclass(frozen=True)
+class VocabEmbedding:
+    """Embedding rows (the vocabulary) split over tp ranks, padded to a multiple of tp."""
+
+
+@dataclass(frozen=True)
+class VocabHead:
+    """LM head split over the vocabulary; the loss is a vocab-parallel cross-entropy unless `gather_output`."""
+    gather_output: bool = False
+
+
+ParallelStyle = Colwise | Rowwise | VocabEmbedding | VocabHead
+
+
+class Policy:
+    """Base policy. Subclasses fill in the class attributes; the methods derive the rest."""
+
+    layers: str = ""                                # base-relative path of the repeated layer ModuleList
+    entry: Dict[str, str] = {}                      # base-relative module -> stand-in kind on non-first stages
+    exit: Sequence[str] = ()                        # base-relative modules only the last stage holds
+    tp_plan: Dict[str, ParallelStyle] = {}          # base-relative pattern -> style
+    head_tp_plan: Dict[str, ParallelStyle] = {}     # model-relative pattern (outside the base) -> style
+    tp_attributes: Dict[str, Sequence[str]] = {}    # base-relative pattern -> attributes divided by tp_size
+    tp_divisible: Sequence[str] = ()                # config attributes that must be divisible by tp_size
+    local_rng_modules: Sequence[str] = ()           # base-relative patterns whose dropout acts on split heads
+    shared_rng_modules: Sequence[str] = ()          # patterns inside those whose dropout acts on replicated data
+
+    def __init__(self) -> None:
+        self.model: Optional[nn.Module] = None
+        self.stage_manager = None
+        self.shard_config = None
+
+    # -- ColossalAI-style setters ---------------------------------------------------------------------------
+    def set_model(self, model: nn.Module) -> None:
+        self.model = model
+
+    def set_pipeline_stage_manager(self, stage_manager) -> None:
+        self.stage_manager = stage_manager
+
+    def set_shard_config(self, shard_config) -> None:
+        self.shard_config = shard_config
+
+    # -- structure ----------------------------------------------------------------------------------------
+    @property
+    def base_prefix(self) -> str:
+        """'' when the model is its own base model, else e.g. 'transformer.'."""
+        base = self.model.base_model
+        if base is self.model:
+            return ""
+        for name, module in self.model.named_modules():
+            if module is base:
+                return name + "."
+        raise ValueError(f"{type(self.model).__name__}.base_model is not one of its submodules.")
+
+    def layer_list(self) -> nn.ModuleList:
+        return self.model.get_submodule(self.base_prefix + self.layers)
+
+    def num_layers(self) -> int:
+        return len(self.layer_list())
+
+    def layers_per_stage(self) -> List[int]:
+        return self.stage_manager.layers_per_virtual_stage(self.num_layers())
+
+    def stage_of_param(self, name: str) -> Optional[Tuple[int, ...]]:
+        """The pipeline stages that hold parameter `name` (model-relative), from this policy's split."""
+        n = self.stage_manager.num_stages
+        prefix = self.base_prefix
+        layers = prefix + self.layers + "."
+        if name.startswith(layers):
+            index = int(name[len(layers):].split(".")[0])
+            bounds = [0]
+            for k in self.layers_per_stage():
+                bounds.append(bounds[-1] + k)
+            return (next(s for s in range(n) if bounds[s] <= index < bounds[s + 1]),)
+        if any(name.startswith(prefix + e + ".") for e in self.entry):
+            return (0,)
+        if any(name.startswith(prefix + e + ".") for e in self.exit) or not name.startswith(prefix):
+            return (n - 1,)
+        return tuple(range(n))  # used by every stage (rare): kept everywhere, gradients summed over stages
+
+    def held_stages(self, name: str) -> Tuple[int, ...]:
+        return self.stage_of_param(name)
+
+    def get_held_layers(self) -> List[nn.Module]:
+        """Modules (layers, entry, exit, head) held by this rank's stage."""
+        sm = self.stage_manager
+        start, end = sm.get_stage_index(self.layers_per_stage())
+        held = [self.layer_list()[i] for i in range(start, end)]
+        base = self.model.base_model
+        if sm.is_first_stage():
+            held += [base.get_submodule(e) for e in self.entry if _has(base, e)]
+        if sm.is_last_stage():
+            held += [base.get_submodule(e) for e in self.exit if _has(base, e) and base.get_submodule(e) is not None]
+            held += list(self.head_modules().values())
+        return held
+
+    def head_modules(self) -> Dict[str, nn.Module]:
+        """Top-level modules outside the base model (LM head, classifier): the last stage holds them."""
+        if not self.base_prefix:
+            return {}
+        return {name: m for name, m in self.model.named_children() if not self.base_prefix.startswith(name + ".")}
+
+    def shared_param_names(self) -> List[Dict[int, str]]:
+        """Parameters held by several stages (e.g. a tied embedding / LM head): {stage: its name there}."""
+        by_id: Dict[int, Dict[int, str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            names = by_id.setdefault(id(p), {})
+            for stage in self.stage_of_param(name):
+                names.setdefault(stage, name)
+        return [names for names in by_id.values() if len(names) > 1]
+
+    def get_shared_params(self) -> List[Dict[int, nn.Parameter]]:
+        """ColossalAI's form of `shared_param_names`: {stage: parameter}, resolved on this rank's model."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        return [{s: params[n] for s, n in names.items() if n in params} for names in self.shared_param_names()]
+
+    # -- tensor parallel checks -----------------------------------------------------------------------------
+    def check_tp(self, config, tp_size: int) -> None:
+        """Refuse a tp_size that does not divide the sizes it splits, naming the number and the valid sizes."""
+        if tp_size == 1:
+            return
+        values = {attr: getattr(config, attr) for attr in self.tp_divisible if getattr(config, attr, None)}
+        bad = {k: v for k, v in values.items() if v % tp_size}
+        if bad:
+            common = math.gcd(*values.values())
+            valid = [d for d in range(1, common + 1) if common % d == 0]
+            raise ValueError(f"tp_size={tp_size} does not divide {', '.join(f'{k}={v}' for k, v in bad.items())} of "
+                             f"{type(config).__name__}; valid tp sizes for this model: {valid}.")
+
+    def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
+        """Config attributes a stage holding layers [start, end) must see differently (default: none)."""
+        return {}
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def match(pattern: str, path: str) -> bool:
+    """Does a plan pattern ('*' = one path component) match a module path?"""
+    return re.fullmatch(pattern.replace(".", r"\.").replace("*", r"[^.]+"), path) is not None

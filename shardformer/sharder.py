@@ -1,0 +1,185 @@
+"""Sharder: applies a policy to a model in place — release what this pipeline stage does not hold, replace modules
+with tensor-parallel ones, re-tie shared weights — and returns what the runtime needs to drive the stage."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+from torch import nn
+
+from .policies.base import Colwise, Policy, Rowwise, VocabEmbedding, VocabHead, match
+from .stage import Released, StageForward, StageInput, held_layer_list, replace_submodule, stand_in_for
+
+
+@dataclass
+class ShardConfig:
+    """How to shard: the tp group (None = no TP), the pipeline stage manager (None = no PP) and TP options."""
+    tensor_parallel_process_group: Optional[dist.ProcessGroup] = None
+    pipeline_stage_manager: Optional[object] = None
+    parallel_output: bool = True
+    make_vocab_size_divisible_by: int = 64
+    rng_tracker: Optional[object] = None
+    extra: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def tp_size(self) -> int:
+        group = self.tensor_parallel_process_group
+        return 1 if group is None else dist.get_world_size(group)
+
+
+class Sharder:
+    def __init__(self, model: nn.Module, policy: Policy, shard_config: ShardConfig) -> None:
+        self.model = model
+        self.policy = policy
+        self.shard_config = shard_config
+        self.stage_forward: Optional[StageForward] = None
+        policy.set_model(model)
+        policy.set_shard_config(shard_config)
+        policy.set_pipeline_stage_manager(shard_config.pipeline_stage_manager)
+
+    def shard(self) -> List[Dict[int, str]]:
+        """Shard in place; returns the shared parameters as [{stage: parameter name on that stage}]."""
+        self.policy.check_tp(self.model.config, self.shard_config.tp_size)
+        tied = self._tied_names()
+        shared = self.policy.shared_param_names() if self.shard_config.pipeline_stage_manager else []
+        if self.shard_config.pipeline_stage_manager is not None:
+            self._release_unheld_layers()
+        if self.shard_config.tp_size > 1:
+            self._replace_modules()
+            self._retie(tied)
+            self._change_attributes()
+            self._use_local_rng()
+        return shared
+
+    # -- pipeline ----------------------------------------------------------------------------------------
+    def _release_unheld_layers(self) -> None:
+        policy, sm, model = self.policy, self.shard_config.pipeline_stage_manager, self.model
+        prefix = policy.base_prefix
+        base = model.base_model
+        start, end = sm.get_stage_index(policy.layers_per_stage())
+        layers = policy.layer_list()
+        stage_input = None
+        if not sm.is_first_stage():
+            for path, kind in policy.entry.items():
+                stand_in = stand_in_for(kind, base.get_submodule(path))
+                replace_submodule(base, path, stand_in)
+                if isinstance(stand_in, StageInput):
+                    stage_input = stand_in
+        if not sm.is_last_stage():
+            for path in policy.exit:
+                if getattr(*_parent_and_name(base, path)) is not None:
+                    replace_submodule(base, path, Released(prefix + path))
+            for name in policy.head_modules():
+                setattr(model, name, Released(name))
+        exit_layer = layers[end - 1] if not sm.is_last_stage() else None
+        replace_submodule(model, prefix + policy.layers, held_layer_list(layers, start, end))
+        overrides = policy.stage_config_overrides(start, end)
+        if overrides:  # a stage-local config view for the base model's loop; the model's own config is untouched
+            base.config = copy.copy(base.config)
+            for key, value in overrides.items():
+                setattr(base.config, key, value)
+        if not (sm.is_first_stage() and sm.is_last_stage()):
+            self.stage_forward = StageForward(model, stage_input, exit_layer)
+
+    # -- tensor parallel ---------------------------------------------------------------------------------
+    def _tied_names(self) -> List[List[str]]:
+        by_id: Dict[int, List[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(name)
+        return [names for names in by_id.values() if len(names) > 1]
+
+    def _style_of(self, path: str):
+        prefix = self.policy.base_prefix
+        if path.startswith(prefix):
+            for pattern, style in self.policy.tp_plan.items():
+                if match(pattern, path[len(prefix):]):
+                    return style
+        for pattern, style in self.policy.head_tp_plan.items():
+            if match(pattern, path):
+                return style
+        return None
+
+    def _replace_modules(self) -> None:
+        from .layer import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_size,
+                            vocab_parallel_lm_head)
+        from .layer.loss import parallel_causal_lm_loss
+
+        cfg, group = self.shard_config, self.shard_config.tensor_parallel_process_group
+        tp = cfg.tp_size
+        multiple = cfg.make_vocab_size_divisible_by
+        for path, module in list(self.model.named_modules()):
+            style = self._style_of(path)
+            if style is None or isinstance(module, (Released, StageInput)) or not list(module.parameters()):
+                continue
+            if isinstance(style, Colwise):
+                new = ColumnParallelLinear.from_native_module(module, group, gather_output=style.gather_output,
+                                                              n_fused=style.n_fused)
+            elif isinstance(style, Rowwise):
+                new = RowParallelLinear.from_native_module(module, group)
+            elif isinstance(style, VocabEmbedding):
+                new = VocabParallelEmbedding.from_native_module(module, group, make_vocab_size_divisible_by=multiple)
+            elif isinstance(style, VocabHead):
+                gather = style.gather_output or not cfg.parallel_output
+                padded = padded_size(module.out_features, tp, multiple)
+                new = vocab_parallel_lm_head(module, group, gather_output=gather, padded_vocab=padded)
+                if not gather:  # the model's own loss must then be the vocab-parallel cross-entropy
+                    start = new.out_features * dist.get_rank(group)
+                    vocab = module.out_features
+                    self.model.loss_function = _ParallelCausalLMLoss(parallel_causal_lm_loss, group, start, vocab)
+            else:
+                raise TypeError(f"Unknown parallel style {style!r} for {path}.")
+            replace_submodule(self.model, path, new)
+
+    def _retie(self, tied: List[List[str]]) -> None:
+        """Parameters that were one before replacement (tied embeddings, MLM bias) become one again."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for names in tied:
+            held = [n for n in names if n in params]
+            if len(held) > 1:
+                for name in held[1:]:
+                    parent, attr = _parent_and_name(self.model, name)
+                    setattr(parent, attr, params[held[0]])
+
+    def _change_attributes(self) -> None:
+        tp, prefix = self.shard_config.tp_size, self.policy.base_prefix
+        for path, module in self.model.named_modules():
+            if not path.startswith(prefix):
+                continue
+            for pattern, attrs in self.policy.tp_attributes.items():
+                if match(pattern, path[len(prefix):]):
+                    for attr in attrs:
+                        setattr(module, attr, getattr(module, attr) // tp)
+
+    def _use_local_rng(self) -> None:
+        tracker = self.shard_config.rng_tracker
+        if tracker is None:
+            return
+        from .layer.dropout import wrap_module_forward_in_local_rng, wrap_module_forward_in_shared_rng
+
+        prefix = self.policy.base_prefix
+        for path, module in self.model.named_modules():
+            rel = path[len(prefix):] if path.startswith(prefix) else None
+            if rel is None:
+                continue
+            if any(match(p, rel) for p in self.policy.local_rng_modules):
+                wrap_module_forward_in_local_rng(module, tracker)
+            elif any(match(p, rel) for p in self.policy.shared_rng_modules):
+                wrap_module_forward_in_shared_rng(module, tracker)
+
+
+class _ParallelCausalLMLoss:
+    """`model.loss_function` for a vocab-parallel LM head: same semantics as transformers' ForCausalLMLoss."""
+
+    def __init__(self, fn, group, vocab_start: int, vocab_size: int) -> None:
+        self.fn, self.group, self.vocab_start, self.vocab_size = fn, group, vocab_start, vocab_size
+
+    def __call__(self, logits, labels, vocab_size=None, **kwargs):
+        return self.fn(logits, labels, vocab_size=self.vocab_size, tp_group=self.group,
+                       vocab_start=self.vocab_start, **kwargs)
+
+
+def _parent_and_name(root: nn.Module, path: str):
+    parent, _, name = path.rpartition(".")
+    return (root.get_submodule(parent) if parent else root), name

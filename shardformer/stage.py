@@ -1,0 +1,136 @@
+"""Run a transformers model's own forward as one pipeline stage.
+
+Nothing of transformers' forward code is copied: a stage keeps the model and its own `forward`, and changes only
+which submodules exist.
+- Layers it does not hold are dropped from the layer list (held layers keep their HF index and name).
+- On a non-first stage the embedding is a stand-in that returns the received hidden states (other entry modules,
+  e.g. GPT-2's position embedding, become zeros or identities), so masks and rotary embeddings are still built by
+  the model itself from the real `input_ids` / `attention_mask`.
+- On a non-last stage a forward hook on its last layer ends the forward with that layer's output; the final norm
+  and head are released.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+from torch import nn
+
+INPUT, ZEROS, IDENTITY = "input", "zeros", "identity"
+
+
+def _hidden_size(module: nn.Module) -> tuple[int, torch.dtype]:
+    for p in module.parameters():
+        if p.dim() == 2:
+            return p.shape[-1], p.dtype
+    raise ValueError(f"Cannot infer the hidden size of {type(module).__name__} for its pipeline stand-in.")
+
+
+def _zeros_like_lookup(args, kwargs, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros shaped like the embedding lookup these call arguments ask for."""
+    ids = args[0] if args else next((v for k, v in kwargs.items() if k in ("input_ids", "input")), None)
+    if ids is None:
+        ids = kwargs["inputs_embeds"][..., 0]
+    return torch.zeros(*ids.shape, hidden_size, dtype=dtype, device=ids.device)
+
+
+class StageInput(nn.Module):
+    """Stands in for the embedding on a non-first stage: its first call returns the received hidden states."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hidden_size, self.dtype = hidden_size, dtype
+        self.value: Optional[torch.Tensor] = None
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        value, self.value = self.value, None
+        if value is None:  # a second lookup (e.g. GPT-2 token types): its contribution came with the hidden states
+            return _zeros_like_lookup(args, kwargs, self.hidden_size, self.dtype)
+        return value
+
+
+class ZeroEmbedding(nn.Module):
+    """Stands in for an additive entry module (e.g. position embeddings) whose output the previous stage added."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hidden_size, self.dtype = hidden_size, dtype
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return _zeros_like_lookup(args, kwargs, self.hidden_size, self.dtype)
+
+
+class Released(nn.Module):
+    """Placeholder for a module held by another pipeline stage; calling it is a bug, so it says so."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"Module '{self.name}' is held by another pipeline stage and cannot run here.")
+
+
+def held_layer_list(layers: nn.ModuleList, start: int, end: int) -> nn.ModuleList:
+    """A ModuleList iterating over layers [start, end) whose state_dict keys keep their original indices."""
+    held = nn.ModuleList()
+    for i in range(start, end):
+        held.add_module(str(i), layers[i])
+    return held
+
+
+class _StageExit(Exception):
+    def __init__(self, output: Any) -> None:
+        super().__init__("pipeline stage output")
+        self.output = output
+
+
+class StageForward:
+    """Calls the (stage-pruned) model: feeds received hidden states, stops after the stage's last layer."""
+
+    def __init__(self, model: nn.Module, stage_input: Optional[StageInput], exit_layer: Optional[nn.Module]) -> None:
+        self.model = model
+        self.stage_input = stage_input
+        self._armed = False
+        params = inspect.signature(model.forward).parameters
+        self._extra = {"use_cache": False} if "use_cache" in params else {}
+        if exit_layer is not None:
+            exit_layer.register_forward_hook(self._exit_hook)
+
+    def _exit_hook(self, module, args, output):
+        if self._armed:  # disarmed during activation recomputation, which re-runs the layer in backward
+            self._armed = False
+            raise _StageExit(output[0] if isinstance(output, (tuple, list)) else output)
+
+    def __call__(self, hidden_states: Optional[torch.Tensor] = None, **kwargs) -> Any:
+        if self.stage_input is not None:
+            if hidden_states is None:
+                raise ValueError("This pipeline stage needs the previous stage's `hidden_states`.")
+            self.stage_input.value = hidden_states
+        self._armed = True
+        try:
+            return self.model(**kwargs, **self._extra)
+        except _StageExit as done:
+            return {"hidden_states": done.output}
+        finally:
+            self._armed = False
+            if self.stage_input is not None:
+                self.stage_input.value = None
+
+
+def get_submodule_parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent, _, name = path.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), name
+
+
+def replace_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, name = get_submodule_parent(model, path)
+    setattr(parent, name, new)
+
+
+def stand_in_for(kind: str, original: nn.Module) -> nn.Module:
+    if kind == IDENTITY:
+        return nn.Identity()
+    hidden, dtype = _hidden_size(original)
+    return StageInput(hidden, dtype) if kind == INPUT else ZeroEmbedding(hidden, dtype)

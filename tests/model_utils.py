@@ -1,0 +1,169 @@
+"""Tiny transformers models and the reference check every parallel layout must pass: the same losses, outputs,
+gradients and parameters after AdamW steps as the unsharded model on one process, in fp32."""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Dict
+
+import torch
+import torch.distributed as dist
+from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel, GPT2Config,
+                          GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model, LlamaConfig, LlamaForCausalLM,
+                          LlamaForSequenceClassification, LlamaModel)
+
+from booster_plugin import Booster, HybridParallelPlugin
+from shardformer.layer.spec import gather_tensor, get_tp_spec
+
+VOCAB, SEQ = 100, 8  # a vocabulary no tp size divides, to exercise padding
+
+
+def gpt2_config(layers: int = 4) -> GPT2Config:
+    return GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=layers, n_head=4, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def llama_config(layers: int = 4) -> LlamaConfig:
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
+
+
+def bert_config(layers: int = 4) -> BertConfig:
+    return BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0, pad_token_id=0)
+
+
+MODELS: Dict[str, Callable] = {
+    "gpt2_lm": lambda n=4: GPT2LMHeadModel(gpt2_config(n)),
+    "gpt2": lambda n=4: GPT2Model(gpt2_config(n)),
+    "gpt2_cls": lambda n=4: GPT2ForSequenceClassification(gpt2_config(n)),
+    "llama_lm": lambda n=4: LlamaForCausalLM(llama_config(n)),
+    "llama": lambda n=4: LlamaModel(llama_config(n)),
+    "llama_cls": lambda n=4: LlamaForSequenceClassification(llama_config(n)),
+    "bert": lambda n=4: BertModel(bert_config(n)),
+    "bert_mlm": lambda n=4: BertForMaskedLM(bert_config(n)),
+    "bert_cls": lambda n=4: BertForSequenceClassification(bert_config(n)),
+}
+
+
+def make_batch(kind: str, batch_size: int, seed: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (batch_size, SEQ), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, -3:] = 0  # some padding on the right of one sample
+    input_ids[0, -3:] = 0
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if kind.endswith("_lm"):
+        batch["labels"] = input_ids.masked_fill(attention_mask == 0, -100)
+    elif kind.endswith("_mlm"):
+        batch["labels"] = torch.where(torch.rand(input_ids.shape, generator=g) < 0.3, input_ids, -100)
+    elif kind.endswith("_cls"):
+        batch["labels"] = torch.randint(0, 2, (batch_size,), generator=g)
+    return batch
+
+
+def criterion(outputs, batch) -> torch.Tensor:
+    """Loss from the model's own head where it has one; a simple function of the hidden states otherwise."""
+    if getattr(outputs, "loss", None) is not None:
+        return outputs.loss
+    return outputs.last_hidden_state.float().pow(2).mean()
+
+
+def build(kind: str, layers: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    return MODELS[kind](layers)
+
+
+def gathered(param: torch.Tensor, tensor: torch.Tensor, tp_group) -> torch.Tensor:
+    spec = get_tp_spec(param)
+    return tensor if spec is None or tp_group is None else gather_tensor(tensor, spec, tp_group)
+
+
+def assert_close(actual, expected, what: str, tol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def microbatch_mean_loss(model, batch: Dict[str, torch.Tensor], microbatch_size: int) -> torch.Tensor:
+    """The loss of a batch as the pipeline defines it: the mean of its microbatches' losses."""
+    size = next(iter(batch.values())).shape[0]
+    chunks = [{k: v[i:i + microbatch_size] for k, v in batch.items()} for i in range(0, size, microbatch_size)]
+    return torch.stack([criterion(model(**c), c) for c in chunks]).mean()
+
+
+def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int = 8, lr: float = 1e-3,
+                   max_norm: float = 0.0, **plugin_kwargs) -> None:
+    """Train the boosted model and the unsharded reference on the same global batches and compare everything."""
+    plugin = HybridParallelPlugin(max_norm=max_norm, **plugin_kwargs)
+    booster = Booster(plugin=plugin)
+    reference = build(kind, layers)
+    model = copy.deepcopy(reference)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model, opt, *_ = booster.boost(model, opt, criterion)
+    reference.train()
+    model.train()
+    tp_group = plugin.tp_group if plugin.tp_size > 1 else None
+    mb = plugin_kwargs.get("microbatch_size") or local_batch // plugin_kwargs.get("num_microbatches", 1)
+    dp, dp_rank = plugin.dp_size, plugin.dp_rank
+    for step in range(steps):
+        global_batch = make_batch(kind, local_batch * dp, seed=100 + step)
+        local = {k: v[dp_rank * local_batch:(dp_rank + 1) * local_batch] for k, v in global_batch.items()}
+        # reference: one process, the whole global batch; the loss of a batch is the mean over its microbatches
+        # (equal to the plain batch loss when microbatches hold equally many loss tokens) and over dp replicas
+        ref_opt.zero_grad()
+        ref_losses = [microbatch_mean_loss(reference, {k: v[r * local_batch:(r + 1) * local_batch]
+                                                       for k, v in global_batch.items()}, mb) for r in range(dp)]
+        ref_loss = torch.stack(ref_losses).mean()
+        ref_loss.backward()
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+        ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
+
+        opt.zero_grad()
+        if plugin.pp_size > 1 or plugin.schedule is not None:
+            out = booster.execute_pipeline(iter([local]), model, criterion, opt, return_loss=True)
+            loss = out["loss"]
+        else:
+            loss = criterion(model(**local), local)
+            booster.backward(loss, opt)
+        assert_close(loss.detach(), ref_losses[dp_rank].detach(), f"{kind} step {step} loss")
+        opt.step()  # reduces gradients over stages and replicas, clips, steps
+        ref_opt.step()
+        for name, p in model.unwrap().named_parameters():
+            assert name in ref_grads, f"{kind}: {name} has no reference gradient"
+            assert p.grad is not None, f"{kind}: held parameter {name} got no gradient"
+            assert_close(gathered(p, p.grad, tp_group), ref_grads[name], f"{kind} step {step} grad of {name}")
+        ref_params = dict(reference.named_parameters(remove_duplicate=False))
+        for name, p in model.unwrap().named_parameters():
+            assert_close(gathered(p, p.data, tp_group), ref_params[name].data, f"{kind} step {step} param {name}")
+
+
+def check_evaluation(kind: str, layers: int = 4, local_batch: int = 8, **plugin_kwargs) -> None:
+    """Forward-only pipeline evaluation returns the reference loss on every rank and its outputs on the last stage."""
+    plugin = HybridParallelPlugin(**plugin_kwargs)
+    booster = Booster(plugin=plugin)
+    reference = build(kind, layers).eval()
+    model, *_ = booster.boost(copy.deepcopy(reference))
+    model.eval()
+    batch = make_batch(kind, local_batch * plugin.dp_size, seed=7)
+    local = {k: v[plugin.dp_rank * local_batch:(plugin.dp_rank + 1) * local_batch] for k, v in batch.items()}
+    with torch.no_grad():
+        expected = reference(**local)
+        out = booster.execute_pipeline(iter([local]), model, criterion, return_loss=True, return_outputs=True)
+        mb = plugin_kwargs.get("microbatch_size") or local_batch // plugin_kwargs.get("num_microbatches", 1)
+        expected_loss = microbatch_mean_loss(reference, local, mb)
+    assert_close(out["loss"], expected_loss, f"{kind} eval loss")
+    if plugin.stage_manager.is_last_stage():
+        key = "logits" if "logits" in expected else "last_hidden_state"
+        actual = out["outputs"][key]
+        if key == "logits" and plugin.tp_size > 1 and actual.shape[-1] != expected[key].shape[-1]:
+            actual = gather_logits(actual, plugin.tp_group, expected[key].shape[-1])
+        assert_close(actual, expected[key], f"{kind} eval {key}")
+    else:
+        assert out["outputs"] is None
+
+
+def gather_logits(local: torch.Tensor, group, vocab: int) -> torch.Tensor:
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)[..., :vocab]

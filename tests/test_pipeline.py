@@ -1,0 +1,125 @@
+"""Pipeline × data parallel training equals single-process training (GPT-2 with tied embeddings, Llama), and
+bad input fails clearly on every rank before any collective."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from booster_plugin import Booster, HybridParallelPlugin
+from pipeline import PipelineStageManager
+from pipeline.p2p import flatten, unflatten
+from pipeline.schedule import split_batch
+from tests import model_utils as mu
+from tests.dist_utils import run_distributed
+
+
+# -- pure logic -------------------------------------------------------------------------------------------------
+def test_distribute_layers_gives_remainder_to_middle_stages():
+    assert PipelineStageManager.distribute_layers(8, 4) == [2, 2, 2, 2]
+    assert PipelineStageManager.distribute_layers(10, 4) == [2, 3, 3, 2]
+    assert PipelineStageManager.distribute_layers(5, 2) == [2, 3]
+    assert PipelineStageManager.distribute_layers(7, 4) == [1, 2, 2, 2]
+    with pytest.raises(ValueError, match="at least one layer"):
+        PipelineStageManager.distribute_layers(3, 4)
+
+
+def test_split_batch_checks_divisibility():
+    batch = {"input_ids": torch.arange(12).view(6, 2), "flag": True}
+    parts = split_batch(batch, num_microbatches=3, microbatch_size=None)
+    assert [p["input_ids"].tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
+    assert all(p["flag"] is True for p in parts)
+    assert len(split_batch(batch, None, microbatch_size=2)) == 3
+    with pytest.raises(ValueError, match="not divisible into num_microbatches=4"):
+        split_batch(batch, num_microbatches=4, microbatch_size=None)
+    with pytest.raises(ValueError, match="share dim 0"):
+        split_batch({"a": torch.zeros(4), "b": torch.zeros(3)}, 2, None)
+    with pytest.raises(TypeError, match="dict of tensors"):
+        split_batch([torch.zeros(4)], 2, None)
+
+
+def test_p2p_structure_round_trip_without_pickle():
+    obj = {"h": torch.ones(2, 3), "pair": (torch.zeros(1), [1, "x", None]), "flag": False, "s": 1.5}
+    tree, tensors = flatten(obj)
+    back = unflatten(tree, tensors)
+    assert back["pair"][1] == [1, "x", None] and isinstance(back["pair"], tuple) and back["s"] == 1.5
+    assert back["h"] is tensors[0] and len(tensors) == 2
+    with pytest.raises(TypeError, match="not set"):
+        flatten({"bad": {1, 2}})
+
+
+# -- 2 ranks -------------------------------------------------------------------------------------------------------
+def _two_ranks():
+    # pp=2: tied GPT-2, Llama, both classification heads, the base models, uneven and user-given splits
+    for kind in ("gpt2_lm", "llama_lm", "gpt2_cls", "llama_cls", "gpt2", "llama"):
+        mu.check_training(kind, pp_size=2, num_microbatches=4)
+    mu.check_training("llama_lm", layers=5, pp_size=2, num_microbatches=2)
+    mu.check_training("gpt2_lm", layers=5, pp_size=2, num_microbatches=4, num_layers_per_stage=[1, 4])
+    mu.check_training("gpt2_lm", pp_size=2, microbatch_size=2, max_norm=0.05)  # clipping on the global norm
+    mu.check_training("llama_lm", pp_size=2, num_microbatches=4, p2p_transport="broadcast")
+    mu.check_training("llama_lm", pp_size=2, num_microbatches=2, enable_metadata_cache=False)
+    for kind in ("gpt2_lm", "llama_lm", "llama"):
+        mu.check_evaluation(kind, pp_size=2, num_microbatches=4)
+    _check_memory_promise()
+    _check_bad_input()
+
+
+def _check_memory_promise():
+    """1F1B keeps at most pp_size microbatches of activations alive on the first stage (GPipe would keep all 8)."""
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=8)
+    booster = Booster(plugin=plugin)
+    model = mu.build("llama_lm")
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0))
+    booster.execute_pipeline(iter([mu.make_batch("llama_lm", 8, 0)]), model, mu.criterion, opt)
+    expected = plugin.pp_size - plugin.stage_manager.stage
+    assert plugin.schedule.peak_inflight_microbatches == expected, plugin.schedule.peak_inflight_microbatches
+
+
+def _check_bad_input():
+    """Each error is raised on every rank before any collective: afterwards the group still works."""
+    with pytest.raises(ValueError, match="World size 2 is not divisible by tp_size \\* pp_size = 1 \\* 4"):
+        HybridParallelPlugin(pp_size=4, num_microbatches=4)
+    with pytest.raises(ValueError, match="num_microbatches >= pp_size"):
+        HybridParallelPlugin(pp_size=2, num_microbatches=1)
+    with pytest.raises(ValueError, match="exactly one of num_microbatches or microbatch_size"):
+        HybridParallelPlugin(pp_size=2)
+    with pytest.raises(ValueError, match="Cannot split 1 layers over 2 pipeline stages"):
+        Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2)).boost(mu.build("gpt2_lm", layers=1))
+    with pytest.raises(ValueError, match="num_layers_per_stage=\\[3, 3\\]"):
+        Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2, num_layers_per_stage=[3, 3])).boost(
+            mu.build("gpt2_lm"))
+    with pytest.raises(NotImplementedError, match="Supported models: .*GPT2LMHeadModel.*custom_policy="):
+        Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2)).boost(torch.nn.Linear(2, 2))
+    booster = Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=4))
+    model, *_ = booster.boost(mu.build("gpt2_lm"))
+    with pytest.raises(ValueError, match="Batch size 6 is not divisible into num_microbatches=4"):
+        booster.execute_pipeline(iter([mu.make_batch("gpt2_lm", 6, 0)]), model, mu.criterion)
+    dist.barrier()  # nobody is stuck in a collective
+
+
+def test_pipeline_two_ranks():
+    run_distributed(2, _two_ranks)
+
+
+# -- 4 ranks: pp=4, and pp=2 × dp=2 ---------------------------------------------------------------------------------
+def _four_ranks():
+    for kind in ("gpt2_lm", "llama_lm"):
+        mu.check_training(kind, pp_size=4, num_microbatches=4)
+        mu.check_training(kind, pp_size=2, num_microbatches=2)  # dp=2
+    mu.check_training("llama_lm", layers=6, pp_size=4, num_microbatches=8)  # uneven: [1, 2, 2, 1]
+    mu.check_training("gpt2_lm", pp_size=4, num_microbatches=4, max_norm=0.05)
+    mu.check_evaluation("gpt2_lm", pp_size=4, num_microbatches=4)
+    mu.check_evaluation("llama_lm", pp_size=2, num_microbatches=2)
+
+
+def test_pipeline_four_ranks():
+    run_distributed(4, _four_ranks)
+
+
+# -- 8 ranks: pp=4 × dp=2 ---------------------------------------------------------------------------------------------
+def _eight_ranks():
+    for kind in ("gpt2_lm", "llama_lm"):
+        mu.check_training(kind, pp_size=4, num_microbatches=4)
+    mu.check_evaluation("llama_lm", pp_size=4, num_microbatches=4)
+
+
+def test_pipeline_eight_ranks():
+    run_distributed(8, _eight_ranks)

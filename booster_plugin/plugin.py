@@ -108,8 +108,8 @@ class HybridParallelPlugin:
         rng_tracker = None
         if self.tp_size > 1:
             from shardformer.layer.dropout import TPRNGTracker
-            rng_tracker = TPRNGTracker()
-            rng_tracker.sync(self.tp_group, self.seed)
+            rng_tracker = TPRNGTracker(self.device)
+            rng_tracker.sync(self.tp_group, self.seed + self.dp_rank)  # same masks across tp, not dp
         shard_config = ShardConfig(
             tensor_parallel_process_group=self.tp_group if self.tp_size > 1 else None,
             pipeline_stage_manager=self.stage_manager if self.pp_size > 1 else None,

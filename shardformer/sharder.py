@@ -9,6 +9,7 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 from torch import nn
 
+from .layer.spec import get_tp_spec
 from .policies.base import Colwise, Policy, Rowwise, VocabEmbedding, VocabHead, match
 from .stage import Released, StageForward, StageInput, held_layer_list, replace_submodule, stand_in_for
 
@@ -125,7 +126,7 @@ class Sharder:
                 padded = padded_size(module.out_features, tp, multiple)
                 new = vocab_parallel_lm_head(module, group, gather_output=gather, padded_vocab=padded)
                 if not gather:  # the model's own loss must then be the vocab-parallel cross-entropy
-                    start = new.out_features * dist.get_rank(group)
+                    start = new.output_start
                     vocab = module.out_features
                     self.model.loss_function = _ParallelCausalLMLoss(parallel_causal_lm_loss, group, start, vocab)
             else:
@@ -137,10 +138,11 @@ class Sharder:
         params = dict(self.model.named_parameters(remove_duplicate=False))
         for names in tied:
             held = [n for n in names if n in params]
-            if len(held) > 1:
-                for name in held[1:]:
+            if len(held) > 1:  # the sharded one wins (a replaced module made it; the others still hold the old one)
+                source = next((params[n] for n in held if get_tp_spec(params[n]) is not None), params[held[0]])
+                for name in held:
                     parent, attr = _parent_and_name(self.model, name)
-                    setattr(parent, attr, params[held[0]])
+                    setattr(parent, attr, source)
 
     def _change_attributes(self) -> None:
         tp, prefix = self.shard_config.tp_size, self.policy.base_prefix

@@ -1,0 +1,158 @@
+"""Shared harness for the benchmark scripts: gloo setup (one thread per rank), a hang watchdog, interleaved timing,
+the benchmark Llama and its data, tables and JSON results. Not a benchmark itself."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
+
+import datetime
+import faulthandler
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
+
+# the benchmark model: small Llama, fp32
+HIDDEN, LAYERS, HEADS, VOCAB, SEQ, BATCH, INTERMEDIATE = 256, 8, 4, 1024, 128, 8, 1024
+
+
+# -- process group ------------------------------------------------------------------------------------------------
+def init_dist(timeout_s: float = 120.0) -> int:
+    """gloo from torchrun's environment, one intra-op thread; collectives give up after `timeout_s`."""
+    if "RANK" not in os.environ:
+        raise SystemExit("Launch with: torchrun --nproc_per_node=2 " + " ".join(sys.argv))
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.get_world_size() != 2:
+        raise SystemExit("These benchmarks run on exactly 2 ranks: torchrun --nproc_per_node=2 ...")
+    return dist.get_rank()
+
+
+def environment() -> Dict[str, Any]:
+    import transformers
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "backend": "gloo", "world_size": dist.get_world_size(), "threads_per_rank": torch.get_num_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
+            "machine": platform.machine(), "when": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+# -- hang detection -----------------------------------------------------------------------------------------------
+class Watchdog:
+    """Arm around anything that may hang. On expiry: report which variant hung, write the partial results with
+    `hung` set, dump the stacks and exit this rank (the peer then fails on the gloo timeout or the same watchdog)."""
+
+    def __init__(self, name: str, results: Dict[str, Any]) -> None:
+        self.name, self.results = name, results
+        self._lock = threading.Lock()
+        self._deadline: Optional[float] = None
+        self._what = ""
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def arm(self, what: str, seconds: float) -> None:
+        with self._lock:
+            self._what, self._deadline = what, time.monotonic() + seconds
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._deadline = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.5)
+            with self._lock:
+                expired = self._deadline is not None and time.monotonic() > self._deadline
+                what = self._what
+            if expired:
+                rank = dist.get_rank() if dist.is_initialized() else -1
+                print(f"[rank {rank}] HUNG: {what} did not finish in time; partial results written, exiting.",
+                      file=sys.stderr, flush=True)
+                self.results.setdefault("hung", []).append(what)
+                if rank == 0:
+                    write_results(self.name, self.results)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                os._exit(3)
+
+
+# -- timing -------------------------------------------------------------------------------------------------------
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def rotated(names: List[str], round_index: int) -> List[str]:
+    """The variants in a different order every round, so no variant always runs first (or right after another)."""
+    k = round_index % len(names)
+    return names[k:] + names[:k]
+
+
+def sync_time(fn: Callable[[], Any]) -> float:
+    """Seconds for `fn` on all ranks: barrier, run, barrier. Every rank gets rank 0's number."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.broadcast(elapsed, src=0)
+    return float(elapsed.item())
+
+
+# -- output -------------------------------------------------------------------------------------------------------
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else f"{c}" for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def write_results(name: str, results: Dict[str, Any]) -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    return path
+
+
+# -- the benchmark model and data ---------------------------------------------------------------------------------
+def llama_config():
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                       num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
+                       tie_word_embeddings=False, pad_token_id=0, attention_dropout=0.0)
+
+
+def build_llama(seed: int = 0):
+    """Same weights on every rank and for every variant (deepcopy the result for each)."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config())
+    model.train()
+    return model
+
+
+def make_batches(n: int, seed: int = 1234) -> List[Dict[str, torch.Tensor]]:
+    """`n` batches of (BATCH, SEQ) token ids, no padding; labels = input_ids (HF shifts them for the causal loss)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def hf_criterion(outputs, batch) -> torch.Tensor:
+    return outputs.loss

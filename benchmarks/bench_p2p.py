@@ -1,0 +1,254 @@
+"""Pipeline P2P transports, "p2p" (batched isend/irecv) vs "broadcast" (two-rank broadcast), on 2 gloo/CPU ranks.
+
+  (a) ping-pong round trip of one activation-sized tensor (as the {"hidden_states": t} dict the pipeline sends),
+      metadata cache on/off, next to bare dist.send/recv as the floor;
+  (b) the combined send_forward_recv_backward / send_backward_recv_forward exchange vs the same transfers as
+      separate calls;
+  (c) a full 1F1B training step (pp=2, 4 and 8 microbatches) of a small Llama through HybridParallelPlugin.
+
+All variants of a part are measured in one run, interleaved in rounds (rotating order); medians and ratios.
+Run:  torchrun --nproc_per_node=2 benchmarks/bench_p2p.py   [--quick]
+Writes benchmarks/results/bench_p2p.json.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import _common as C  # sets OMP_NUM_THREADS before torch loads
+import torch
+import torch.distributed as dist
+
+from booster_plugin import Booster, HybridParallelPlugin
+from pipeline import PipelineP2PCommunication, PipelineStageManager, ProcessGroupMesh
+
+NAME = "bench_p2p"
+SIZES = {"8x128x256 fp32 (1 MiB)": (8, 128, 256), "1x16x64 fp32 (4 KiB)": (1, 16, 64)}
+ITERS = {"8x128x256 fp32 (1 MiB)": 40, "1x16x64 fp32 (4 KiB)": 200}  # round trips per timed block
+
+
+def comm_variants(stage_manager):
+    out = {}
+    for transport in ("p2p", "broadcast"):
+        for cache in (True, False):
+            out[f"{transport}, cache {'on' if cache else 'off'}"] = PipelineP2PCommunication(
+                stage_manager, "cpu", transport=transport, enable_metadata_cache=cache)
+    return out
+
+
+# -- (a) ping-pong ------------------------------------------------------------------------------------------------
+def pingpong_block(comm, shape, iters: int) -> float:
+    """µs per round trip, measured on rank 0 (rank 0 sends forward, rank 1 answers backward)."""
+    rank = dist.get_rank()
+    x = torch.randn(shape)
+    if comm is None:  # bare dist.send/recv of the tensor into a preallocated buffer: the transport floor
+        buf = torch.empty(shape)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+    else:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            if rank == 0:
+                comm.send_forward({"hidden_states": x})
+                comm.recv_backward()
+            else:
+                got = comm.recv_forward()
+                comm.send_backward({"hidden_states": got["hidden_states"].detach()})
+    us = torch.tensor([(time.perf_counter() - t0) / iters * 1e6], dtype=torch.float64)
+    dist.broadcast(us, src=0)
+    return float(us.item())
+
+
+# -- (b) combined exchange ----------------------------------------------------------------------------------------
+def exchange_block(comm, shape, iters: int, combined: bool) -> float:
+    """µs per exchange (one forward + one backward transfer), as the 1F1B steady state does it."""
+    rank = dist.get_rank()
+    x = torch.randn(shape)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if combined:  # the 1F1B steady state: stage 0 sfrb, stage 1 sbrf, with a prologue/epilogue that matches them
+        if rank == 0:
+            comm.send_forward({"hidden_states": x})
+            for _ in range(iters):
+                comm.send_forward_recv_backward({"hidden_states": x})
+            comm.recv_backward()
+        else:
+            got = comm.recv_forward()
+            for _ in range(iters):
+                got = comm.send_backward_recv_forward({"hidden_states": got["hidden_states"].detach()})
+            comm.send_backward({"hidden_states": got["hidden_states"].detach()})
+        n = iters + 1
+    else:
+        for _ in range(iters):
+            if rank == 0:
+                comm.send_forward({"hidden_states": x})
+                comm.recv_backward()
+            else:
+                got = comm.recv_forward()
+                comm.send_backward({"hidden_states": got["hidden_states"].detach()})
+        n = iters
+    us = torch.tensor([(time.perf_counter() - t0) / n * 1e6], dtype=torch.float64)
+    dist.broadcast(us, src=0)
+    return float(us.item())
+
+
+# -- (c) training step --------------------------------------------------------------------------------------------
+def build_step(reference, transport: str, m: int, cache: bool):
+    plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=m, p2p_transport=transport,
+                                  enable_metadata_cache=cache)
+    booster = Booster(plugin=plugin)
+    model = copy.deepcopy(reference)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, *_ = booster.boost(model, opt)
+    model.train()
+
+    def step(batch):
+        out = booster.execute_pipeline(iter([batch]), model, C.hf_criterion, opt, return_loss=True)
+        opt.step()
+        opt.zero_grad()
+        return float(out["loss"].item())
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds for (a) and (b)")
+    parser.add_argument("--step-rounds", type=int, default=7, help="interleaved rounds for (c)")
+    parser.add_argument("--quick", action="store_true", help="few rounds, to check that it runs")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.step_rounds = 3, 2
+    rank = C.init_dist()
+    results = {"benchmark": NAME, "env": C.environment(), "hung": []}
+    dog = C.Watchdog(NAME, results)
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    t_start = time.perf_counter()
+
+    mesh = ProcessGroupMesh(1, 2, 1)
+    sm = PipelineStageManager(mesh, pipeline_axis=1)
+    comms = comm_variants(sm)
+
+    # (a)
+    names_a = ["dist.send/recv (floor)"] + list(comms)
+    samples = {(s, v): [] for s in SIZES for v in names_a}
+    for size, shape in SIZES.items():
+        for v in names_a:  # warm-up: connections, metadata caches
+            dog.arm(f"(a) warm-up {v} {size}", 60)
+            pingpong_block(comms.get(v), shape, 3)
+        for r in range(args.rounds):
+            for v in C.rotated(names_a, r):
+                dog.arm(f"(a) ping-pong {v} {size}", 60)
+                samples[(size, v)].append(pingpong_block(comms.get(v), shape, ITERS[size]))
+        dog.disarm()
+    rows, part_a = [], []
+    for size in SIZES:
+        base = C.median(samples[(size, "p2p, cache on")])
+        for v in names_a:
+            med = C.median(samples[(size, v)])
+            rows.append([size, v, f"{med:.1f}", f"{min(samples[(size, v)]):.1f}", f"{med / base:.2f}"])
+            part_a.append({"size": size, "variant": v, "median_us": med, "min_us": min(samples[(size, v)]),
+                           "vs_p2p_cache_on": med / base, "samples_us": samples[(size, v)]})
+    results["pingpong"] = part_a
+    say(f"\n(a) ping-pong round trip, µs (median of {args.rounds} interleaved blocks; ratio vs p2p+cache)")
+    say(C.table(["tensor", "variant", "median µs", "min µs", "ratio"], rows))
+
+    # (b)
+    variants_b = [(t, c) for t in ("p2p", "broadcast") for c in (True, False)]
+    label = lambda t, c: f"{t}, {'combined' if c else 'separate'}"
+    samples_b = {(s, label(*v)): [] for s in SIZES for v in variants_b}
+    for size, shape in SIZES.items():
+        for t, c in variants_b:
+            dog.arm(f"(b) warm-up {label(t, c)} {size}", 60)
+            exchange_block(comms[f"{t}, cache on"], shape, 3, c)
+        for r in range(args.rounds):
+            for t, c in C.rotated(variants_b, r):
+                dog.arm(f"(b) exchange {label(t, c)} {size}", 60)
+                samples_b[(size, label(t, c))].append(exchange_block(comms[f"{t}, cache on"], shape, ITERS[size], c))
+        dog.disarm()
+    rows, part_b = [], []
+    for size in SIZES:
+        for t in ("p2p", "broadcast"):
+            comb, sep = C.median(samples_b[(size, label(t, True))]), C.median(samples_b[(size, label(t, False))])
+            rows.append([size, t, f"{comb:.1f}", f"{sep:.1f}", f"{comb / sep:.2f}"])
+            part_b.append({"size": size, "transport": t, "combined_median_us": comb, "separate_median_us": sep,
+                           "combined_over_separate": comb / sep,
+                           "samples_combined_us": samples_b[(size, label(t, True))],
+                           "samples_separate_us": samples_b[(size, label(t, False))]})
+    results["exchange"] = part_b
+    say(f"\n(b) one forward + one backward transfer, µs: combined send_X_recv_Y vs separate calls (cache on)")
+    say(C.table(["tensor", "transport", "combined µs", "separate µs", "combined/separate"], rows))
+
+    # (c)
+    reference = C.build_llama(seed=0)
+    batches = C.make_batches(4)
+    variants_c = [("p2p", 4, True), ("broadcast", 4, True), ("p2p", 8, True), ("broadcast", 8, True),
+                  ("p2p", 8, False), ("broadcast", 8, False)]
+    vname = lambda t, m, c: f"{t}, m={m}, cache {'on' if c else 'off'}"
+    steps = {v: build_step(reference, *v) for v in variants_c}
+    first_loss, times = {}, {v: [] for v in variants_c}
+    for v in variants_c:  # warm-up step (also the first-step loss: same init and data for all)
+        dog.arm(f"(c) first step {vname(*v)}", 120)
+        first_loss[v] = steps[v](batches[0])
+    i = 1
+    for r in range(args.step_rounds):
+        for v in C.rotated(variants_c, r):
+            dog.arm(f"(c) step {vname(*v)}", 120)
+            b = batches[i % len(batches)]
+            times[v].append(C.sync_time(lambda: steps[v](b)))
+        i += 1
+    dog.disarm()
+    rows, part_c = [], []
+    for v in variants_c:
+        t, m, c = v
+        med = C.median(times[v])
+        base = C.median(times[("p2p", m, True)])
+        tok_s = C.BATCH * C.SEQ / med
+        rows.append([vname(*v), f"{med * 1e3:.1f}", f"{min(times[v]) * 1e3:.1f}", f"{tok_s:.0f}",
+                     f"{med / base:.3f}", f"{first_loss[v]:.6f}"])
+        part_c.append({"transport": t, "num_microbatches": m, "metadata_cache": c, "median_ms": med * 1e3,
+                       "min_ms": min(times[v]) * 1e3, "tokens_per_s": tok_s, "vs_p2p_cache_on_same_m": med / base,
+                       "first_step_loss": first_loss[v], "samples_ms": [x * 1e3 for x in times[v]]})
+    results["train_step"] = part_c
+    say(f"\n(c) 1F1B training step, Llama h{C.HIDDEN} L{C.LAYERS} vocab {C.VOCAB} seq {C.SEQ} batch {C.BATCH}, "
+        f"pp=2, AdamW (median of {args.step_rounds} interleaved steps; ratio vs p2p+cache at the same m)")
+    say(C.table(["variant", "median ms", "min ms", "tokens/s", "ratio", "first-step loss"], rows))
+
+    # verdicts
+    say("")
+    verdict = {}
+    for m in (4, 8):
+        p, b = C.median(times[("p2p", m, True)]), C.median(times[("broadcast", m, True)])
+        faster = "p2p" if p < b else "broadcast"
+        verdict[f"train_step_m{m}"] = {"faster": faster, "broadcast_over_p2p": b / p}
+        say(f"train step m={m}: {faster} is faster (broadcast/p2p time = {b / p:.3f})")
+    for size in SIZES:
+        p, b = C.median(samples[(size, "p2p, cache on")]), C.median(samples[(size, "broadcast, cache on")])
+        faster = "p2p" if p < b else "broadcast"
+        verdict[f"pingpong {size}"] = {"faster": faster, "broadcast_over_p2p": b / p}
+        say(f"ping-pong {size}: {faster} is faster (broadcast/p2p time = {b / p:.3f})")
+    losses = list(first_loss.values())
+    spread = max(losses) - min(losses)
+    say(f"first-step losses agree across variants: spread {spread:.2e}")
+    say("hung variants: " + (", ".join(results["hung"]) if results["hung"] else "none (watchdog: 60 s per block, "
+                                                                                "120 s per step)"))
+    results["verdict"] = verdict
+    results["first_step_loss_spread"] = spread
+    results["total_s"] = time.perf_counter() - t_start
+    say(f"total {results['total_s']:.0f} s")
+    if rank == 0:
+        say("wrote " + C.write_results(NAME, results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

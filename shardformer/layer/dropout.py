@@ -1,0 +1,134 @@
+"""RNG bookkeeping for dropout under tensor parallelism.
+
+Replicated activations need identical dropout masks on all TP ranks (the shared default generator), while sharded
+activations such as a head shard of attention probabilities need a different mask per rank (a private state).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
+
+from .comm import get_tp_rank, get_tp_world_size
+
+__all__ = ["TPRNGTracker", "wrap_module_forward_in_local_rng", "wrap_module_forward_in_shared_rng"]
+
+_LOCAL_SEED_OFFSET = 2718
+
+
+class TPRNGTracker:
+    """Holds one private RNG state per TP rank and swaps it in around code that works on sharded activations.
+
+    Tracks the CPU generator and, when `device` is an accelerator, that device's default generator.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device("cpu" if device is None else device)
+        self.seed: int | None = None
+        self._local_states: list[Tensor] | None = None
+        self._saved: list[Tensor] | None = None
+        self._depth = 0
+
+    def _get_states(self) -> list[Tensor]:
+        states = [torch.get_rng_state()]
+        if self.device.type != "cpu":
+            states.append(torch.get_device_module(self.device.type).get_rng_state(self.device))
+        return states
+
+    def _set_states(self, states: list[Tensor]) -> None:
+        torch.set_rng_state(states[0])
+        if self.device.type != "cpu":
+            torch.get_device_module(self.device.type).set_rng_state(states[1], self.device)
+
+    def _fresh_states(self, seed: int) -> list[Tensor]:
+        states = [torch.Generator().manual_seed(seed).get_state()]
+        if self.device.type != "cpu":
+            states.append(torch.Generator(device=self.device).manual_seed(seed).get_state())
+        return states
+
+    def sync(self, group: ProcessGroup | None, base_seed: int) -> int:
+        """Seed the default generators of every rank in `group` with the first rank's `base_seed`; returns it.
+
+        Also (re)creates this rank's private state, seeded `base_seed + 2718 + tp_rank`.
+        """
+        if get_tp_world_size(group) > 1:
+            backend = str(dist.get_backend(group))
+            seed = torch.tensor([base_seed], dtype=torch.int64,
+                                device="cpu" if "gloo" in backend else self.device)
+            dist.broadcast(seed, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+            base_seed = int(seed.item())
+        torch.manual_seed(base_seed)
+        self.seed = base_seed
+        self._local_states = self._fresh_states(base_seed + _LOCAL_SEED_OFFSET + get_tp_rank(group))
+        return base_seed
+
+    def enter_local(self) -> None:
+        """Swap the private per-rank state in (re-entrant)."""
+        if self._local_states is None:
+            raise RuntimeError("TPRNGTracker.sync() must be called before using the local RNG")
+        if self._depth == 0:
+            self._saved = self._get_states()
+            self._set_states(self._local_states)
+        self._depth += 1
+
+    def exit_local(self) -> None:
+        """Keep the advanced private state and restore the default state."""
+        if self._depth == 0:
+            raise RuntimeError("exit_local() without a matching enter_local()")
+        self._depth -= 1
+        if self._depth == 0:
+            self._local_states = self._get_states()
+            self._set_states(self._saved)
+            self._saved = None
+
+    def enter_shared(self) -> None:
+        """Inside a local block, switch back to the shared default state (for dropout on replicated activations)."""
+        if self._depth == 0:
+            return
+        self._local_states = self._get_states()
+        self._set_states(self._saved)
+
+    def exit_shared(self) -> None:
+        if self._depth == 0:
+            return
+        self._saved = self._get_states()
+        self._set_states(self._local_states)
+
+    @contextmanager
+    def local_rng(self) -> Iterator[None]:
+        """Run the block with this rank's private RNG state; the default state is restored afterwards."""
+        self.enter_local()
+        try:
+            yield
+        finally:
+            self.exit_local()
+
+
+def wrap_module_forward_in_local_rng(module: nn.Module, tracker: TPRNGTracker) -> tuple[RemovableHandle, ...]:
+    """Run `module`'s forward under the tracker's per-rank RNG state (pre-hook enters, post-hook exits)."""
+
+    def enter(mod: nn.Module, args: tuple) -> None:
+        tracker.enter_local()
+
+    def leave(mod: nn.Module, args: tuple, output: object) -> None:
+        tracker.exit_local()
+
+    return module.register_forward_pre_hook(enter), module.register_forward_hook(leave)
+
+
+def wrap_module_forward_in_shared_rng(module: nn.Module, tracker: TPRNGTracker) -> tuple[RemovableHandle, ...]:
+    """Run `module`'s forward under the shared default state even inside a local-RNG module (e.g. GPT-2's
+    `resid_dropout`, which acts on the replicated output of the attention block)."""
+
+    def enter(mod: nn.Module, args: tuple) -> None:
+        tracker.enter_shared()
+
+    def leave(mod: nn.Module, args: tuple, output: object) -> None:
+        tracker.exit_shared()
+
+    return module.register_forward_pre_hook(enter), module.register_forward_hook(leave)

@@ -1,0 +1,216 @@
+"""Column- and row-parallel linear layers (Megatron style) that keep the native weight layout and parameter names.
+
+Both accept torch.nn.Linear (weight (out, in)) and transformers' Conv1D (weight (in, out), forward x @ W + b), so
+the sharded model's state_dict keys stay the Hugging Face ones.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from .comm import copy_to_tp, gather_from_tp, get_tp_rank, get_tp_world_size, reduce_from_tp, split_to_tp
+from .spec import TPSpec, get_tp_spec, set_tp_spec, shard_parameter
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _native_shape(module: nn.Module) -> tuple[int, int, bool]:
+    """(in_features, out_features, is_conv1d) of an nn.Linear or a transformers Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # transformers is optional
+        Conv1D = None
+    if Conv1D is not None and isinstance(module, Conv1D):
+        in_features, out_features = module.weight.shape
+        return in_features, out_features, True
+    raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}")
+
+
+def _load_native(layer: nn.Module, module: nn.Module, rank: int, world: int) -> None:
+    """Replace the layer's (meta) parameters by this rank's shards of the native module's parameters."""
+    for name in ("weight", "bias"):
+        if getattr(layer, name) is not None:
+            setattr(layer, name, shard_parameter(getattr(module, name), get_tp_spec(getattr(layer, name)), rank, world))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer whose output features are split over the TP group; input gradient is all-reduced.
+
+    With `n_fused` > 1 the output is made of equal fused areas (e.g. q, k, v) and each area is split separately.
+    `padded_out_features` pads the output dim with zero rows (vocab-parallel LM head with a vocab not divisible by tp).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_group: ProcessGroup | None = None,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        is_conv1d: bool = False,
+        n_fused: int = 1,
+        padded_out_features: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = get_tp_world_size(tp_group)
+        self.tp_rank = get_tp_rank(tp_group)
+        padded = out_features if padded_out_features is None else padded_out_features
+        if padded < out_features or padded % (n_fused * self.tp_size) or out_features % n_fused:
+            raise ValueError(f"cannot split {out_features} (padded {padded}) outputs into {n_fused} fused areas "
+                             f"over {self.tp_size} ranks")
+        if n_fused > 1 and padded != out_features:
+            raise ValueError("padding is not supported together with fused outputs")
+        self.in_features = in_features
+        self.full_out_features = out_features
+        self.padded_out_features = padded
+        self.out_features = padded // self.tp_size
+        self.gather_output = gather_output
+        self.is_conv1d = is_conv1d
+        self.n_fused = n_fused
+
+        shape = (in_features, self.out_features) if is_conv1d else (self.out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype)) if bias else None
+        full_size = None if padded_out_features is None else out_features
+        pad_to = None if padded_out_features is None else padded
+        set_tp_spec(self.weight, TPSpec(1 if is_conv1d else 0, n_fused, full_size, pad_to))
+        if self.bias is not None:
+            set_tp_spec(self.bias, TPSpec(0, n_fused, full_size, pad_to))
+        if self.weight.device.type != "meta":  # meta: parameters are replaced right after
+            self.reset_parameters()
+
+    @property
+    def output_start(self) -> int:
+        """Global index of this rank's first output feature (meaningful for n_fused == 1, e.g. vocab_start)."""
+        return self.tp_rank * self.out_features
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Linear-style uniform init of the shard; padded output rows are zero."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        self.weight.uniform_(-bound, bound)
+        if self.bias is not None:
+            self.bias.uniform_(-bound, bound)
+        n_real = min(max(self.full_out_features - self.output_start, 0), self.out_features)
+        out_dim = 1 if self.is_conv1d else 0
+        self.weight.narrow(out_dim, n_real, self.out_features - n_real).zero_()
+        if self.bias is not None:
+            self.bias.narrow(0, n_real, self.out_features - n_real).zero_()
+
+    @classmethod
+    def from_native_module(
+        cls,
+        module: nn.Module,
+        tp_group: ProcessGroup | None,
+        gather_output: bool = False,
+        n_fused: int = 1,
+        padded_out_features: int | None = None,
+    ) -> "ColumnParallelLinear":
+        """Shard an nn.Linear or transformers Conv1D; the native module is left untouched."""
+        in_features, out_features, is_conv1d = _native_shape(module)
+        layer = cls(in_features, out_features, tp_group, bias=module.bias is not None, gather_output=gather_output,
+                    is_conv1d=is_conv1d, n_fused=n_fused, padded_out_features=padded_out_features,
+                    device="meta", dtype=module.weight.dtype)
+        _load_native(layer, module, layer.tp_rank, layer.tp_size)
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = copy_to_tp(x, self.tp_group)
+        weight = self.weight.t() if self.is_conv1d else self.weight
+        out = F.linear(x, weight, self.bias)
+        if not self.gather_output:
+            return out
+        out = gather_from_tp(out, -1, self.tp_group)
+        if self.n_fused > 1 and self.tp_size > 1:
+            # [a0 b0 c0 | a1 b1 c1 | ...] -> [a0 a1 ... | b0 b1 ... | c0 c1 ...]
+            step = self.out_features // self.n_fused
+            out = out.unflatten(-1, (self.tp_size, self.n_fused, step)).transpose(-3, -2).flatten(-3)
+        if self.padded_out_features != self.full_out_features:
+            out = out[..., : self.full_out_features]
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(full={self.full_out_features}, padded={self.padded_out_features}), bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}, n_fused={self.n_fused}, is_conv1d={self.is_conv1d}, "
+                f"tp={self.tp_rank}/{self.tp_size}")
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer whose input features are split over the TP group; partial outputs are all-reduced.
+
+    The bias is replicated and added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_group: ProcessGroup | None = None,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        is_conv1d: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = get_tp_world_size(tp_group)
+        self.tp_rank = get_tp_rank(tp_group)
+        if in_features % self.tp_size:
+            raise ValueError(f"in_features={in_features} is not divisible by the TP size {self.tp_size}")
+        self.full_in_features = in_features
+        self.in_features = in_features // self.tp_size
+        self.out_features = out_features
+        self.input_is_parallel = input_is_parallel
+        self.is_conv1d = is_conv1d
+
+        shape = (self.in_features, out_features) if is_conv1d else (out_features, self.in_features)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        set_tp_spec(self.weight, TPSpec(0 if is_conv1d else 1))
+        if self.weight.device.type != "meta":  # meta: parameters are replaced right after
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Linear-style uniform init, bounded by the full fan-in."""
+        bound = 1.0 / math.sqrt(self.full_in_features)
+        self.weight.uniform_(-bound, bound)
+        if self.bias is not None:
+            self.bias.uniform_(-bound, bound)
+
+    @classmethod
+    def from_native_module(
+        cls, module: nn.Module, tp_group: ProcessGroup | None, input_is_parallel: bool = True
+    ) -> "RowParallelLinear":
+        """Shard an nn.Linear or transformers Conv1D; the native module is left untouched."""
+        in_features, out_features, is_conv1d = _native_shape(module)
+        layer = cls(in_features, out_features, tp_group, bias=module.bias is not None,
+                    input_is_parallel=input_is_parallel, is_conv1d=is_conv1d, device="meta",
+                    dtype=module.weight.dtype)
+        _load_native(layer, module, layer.tp_rank, layer.tp_size)
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.input_is_parallel:
+            x = split_to_tp(x, -1, self.tp_group)
+        weight = self.weight.t() if self.is_conv1d else self.weight
+        out = reduce_from_tp(F.linear(x, weight), self.tp_group)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (full={self.full_in_features}), out_features={self.out_features}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+                f"is_conv1d={self.is_conv1d}, tp={self.tp_rank}/{self.tp_size}")

@@ -1,0 +1,107 @@
+"""Cross-entropy over vocab-sharded logits that never materialises the full logits."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from .comm import get_tp_world_size
+
+__all__ = ["vocab_parallel_cross_entropy", "parallel_causal_lm_loss"]
+
+
+def _all_reduce(x: Tensor, group: ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+    if get_tp_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross entropy of (N, V_local) fp32 logits; gradient softmax - onehot on the local shard."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, group, vocab_start: int, vocab_size: int | None,
+                ignore_index: int) -> Tensor:
+        n_local = logits.size(-1)
+        x = logits.float()
+        if vocab_size is not None and vocab_start + n_local > vocab_size:
+            padded = torch.arange(vocab_start, vocab_start + n_local, device=x.device) >= vocab_size
+            x = x.masked_fill(padded, float("-inf"))
+        x = x - _all_reduce(x.max(dim=-1).values, group, dist.ReduceOp.MAX).unsqueeze(-1)
+
+        valid = target != ignore_index
+        owned = valid & (target >= vocab_start) & (target < vocab_start + n_local)
+        local_target = torch.where(owned, target - vocab_start, 0)
+        exp = x.exp()
+        picked = torch.where(owned, x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
+        stats = _all_reduce(torch.stack([exp.sum(dim=-1), picked]), group)  # one collective for both sums
+        sum_exp, target_logit = stats[0], stats[1]
+        loss = torch.where(valid, sum_exp.log() - target_logit, 0.0)
+
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(exp, local_target, owned, valid)
+        ctx.in_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        softmax, local_target, owned, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.size(0), device=grad.device)
+        grad[rows, local_target] -= owned.to(grad.dtype)
+        grad.mul_((grad_loss * valid).unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: Tensor,
+    target: Tensor,
+    tp_group: ProcessGroup | None,
+    vocab_start: int,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    vocab_size: int | None = None,
+) -> Tensor:
+    """Cross entropy of logits sharded along the last (vocab) dim, equal to F.cross_entropy on the full logits.
+
+    `vocab_start` is the global index of this rank's first column; columns at global index >= `vocab_size`
+    (vocab padding) are ignored. "mean" averages over targets != ignore_index.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"unknown reduction {reduction!r}")
+    flat_target = target.reshape(-1)
+    loss = _VocabParallelCE.apply(local_logits.reshape(-1, local_logits.size(-1)), flat_target, tp_group,
+                                  vocab_start, vocab_size, ignore_index)
+    if reduction == "none":
+        return loss.view(target.shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (flat_target != ignore_index).sum()
+
+
+def parallel_causal_lm_loss(
+    logits: Tensor,
+    labels: Tensor,
+    vocab_size: int,
+    tp_group: ProcessGroup | None,
+    vocab_start: int,
+    ignore_index: int = -100,
+    num_items_in_batch: Tensor | int | None = None,
+    shift_labels: Tensor | None = None,
+    **kwargs,
+) -> Tensor:
+    """Vocab-parallel counterpart of transformers' ForCausalLMLoss: next-token loss on vocab-sharded logits."""
+    logits = logits.float()
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(logits.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = vocab_parallel_cross_entropy(logits, shift_labels, tp_group, vocab_start, ignore_index, reduction,
+                                        vocab_size=vocab_size)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss

@@ -24,7 +24,7 @@ def gpt2_config(layers: int = 4) -> GPT2Config:
 
 def llama_config(layers: int = 4) -> LlamaConfig:
     return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)
+                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32, pad_token_id=0)
 
 
 def bert_config(layers: int = 4) -> BertConfig:

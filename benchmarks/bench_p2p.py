@@ -25,7 +25,7 @@ from pipeline import PipelineP2PCommunication, PipelineStageManager, ProcessGrou
 
 NAME = "bench_p2p"
 SIZES = {"8x128x256 fp32 (1 MiB)": (8, 128, 256), "1x16x64 fp32 (4 KiB)": (1, 16, 64)}
-ITERS = {"8x128x256 fp32 (1 MiB)": 40, "1x16x64 fp32 (4 KiB)": 200}  # round trips per timed block
+ITERS = {"8x128x256 fp32 (1 MiB)": 20, "1x16x64 fp32 (4 KiB)": 60}  # round trips per timed block
 
 
 def comm_variants(stage_manager):
@@ -121,8 +121,8 @@ def build_step(reference, transport: str, m: int, cache: bool):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds for (a) and (b)")
-    parser.add_argument("--step-rounds", type=int, default=7, help="interleaved rounds for (c)")
+    parser.add_argument("--rounds", type=int, default=13, help="interleaved rounds for (a) and (b)")
+    parser.add_argument("--step-rounds", type=int, default=9, help="interleaved rounds for (c)")
     parser.add_argument("--quick", action="store_true", help="few rounds, to check that it runs")
     args = parser.parse_args()
     if args.quick:
@@ -151,14 +151,16 @@ def main() -> None:
         dog.disarm()
     rows, part_a = [], []
     for size in SIZES:
-        base = C.median(samples[(size, "p2p, cache on")])
+        base = samples[(size, "p2p, cache on")]
         for v in names_a:
             med = C.median(samples[(size, v)])
-            rows.append([size, v, f"{med:.1f}", f"{min(samples[(size, v)]):.1f}", f"{med / base:.2f}"])
+            ratio = C.paired_ratio(samples[(size, v)], base)
+            rows.append([size, v, f"{med:.1f}", f"{min(samples[(size, v)]):.1f}", f"{ratio:.2f}"])
             part_a.append({"size": size, "variant": v, "median_us": med, "min_us": min(samples[(size, v)]),
-                           "vs_p2p_cache_on": med / base, "samples_us": samples[(size, v)]})
+                           "paired_ratio_vs_p2p_cache_on": ratio, "samples_us": samples[(size, v)]})
     results["pingpong"] = part_a
-    say(f"\n(a) ping-pong round trip, µs (median of {args.rounds} interleaved blocks; ratio vs p2p+cache)")
+    say(f"\n(a) ping-pong round trip, µs (median of {args.rounds} interleaved blocks; ratio = median over rounds of "
+        f"time / p2p+cache time in the same round)")
     say(C.table(["tensor", "variant", "median µs", "min µs", "ratio"], rows))
 
     # (b)
@@ -178,9 +180,10 @@ def main() -> None:
     for size in SIZES:
         for t in ("p2p", "broadcast"):
             comb, sep = C.median(samples_b[(size, label(t, True))]), C.median(samples_b[(size, label(t, False))])
-            rows.append([size, t, f"{comb:.1f}", f"{sep:.1f}", f"{comb / sep:.2f}"])
+            ratio = C.paired_ratio(samples_b[(size, label(t, True))], samples_b[(size, label(t, False))])
+            rows.append([size, t, f"{comb:.1f}", f"{sep:.1f}", f"{ratio:.2f}"])
             part_b.append({"size": size, "transport": t, "combined_median_us": comb, "separate_median_us": sep,
-                           "combined_over_separate": comb / sep,
+                           "paired_ratio_combined_over_separate": ratio,
                            "samples_combined_us": samples_b[(size, label(t, True))],
                            "samples_separate_us": samples_b[(size, label(t, False))]})
     results["exchange"] = part_b
@@ -210,31 +213,38 @@ def main() -> None:
     for v in variants_c:
         t, m, c = v
         med = C.median(times[v])
-        base = C.median(times[("p2p", m, True)])
+        ratio = C.paired_ratio(times[v], times[("p2p", m, True)])
         tok_s = C.BATCH * C.SEQ / med
         rows.append([vname(*v), f"{med * 1e3:.1f}", f"{min(times[v]) * 1e3:.1f}", f"{tok_s:.0f}",
-                     f"{med / base:.3f}", f"{first_loss[v]:.6f}"])
+                     f"{ratio:.3f}", f"{first_loss[v]:.6f}"])
         part_c.append({"transport": t, "num_microbatches": m, "metadata_cache": c, "median_ms": med * 1e3,
-                       "min_ms": min(times[v]) * 1e3, "tokens_per_s": tok_s, "vs_p2p_cache_on_same_m": med / base,
+                       "min_ms": min(times[v]) * 1e3, "tokens_per_s": tok_s,
+                       "paired_ratio_vs_p2p_cache_on_same_m": ratio,
                        "first_step_loss": first_loss[v], "samples_ms": [x * 1e3 for x in times[v]]})
     results["train_step"] = part_c
     say(f"\n(c) 1F1B training step, Llama h{C.HIDDEN} L{C.LAYERS} vocab {C.VOCAB} seq {C.SEQ} batch {C.BATCH}, "
-        f"pp=2, AdamW (median of {args.step_rounds} interleaved steps; ratio vs p2p+cache at the same m)")
+        f"pp=2, AdamW (median of {args.step_rounds} interleaved steps; ratio = median over rounds of time / "
+        f"p2p+cache time at the same m in the same round)")
     say(C.table(["variant", "median ms", "min ms", "tokens/s", "ratio", "first-step loss"], rows))
 
     # verdicts
     say("")
     verdict = {}
     for m in (4, 8):
-        p, b = C.median(times[("p2p", m, True)]), C.median(times[("broadcast", m, True)])
-        faster = "p2p" if p < b else "broadcast"
-        verdict[f"train_step_m{m}"] = {"faster": faster, "broadcast_over_p2p": b / p}
-        say(f"train step m={m}: {faster} is faster (broadcast/p2p time = {b / p:.3f})")
+        ratio = C.paired_ratio(times[("broadcast", m, True)], times[("p2p", m, True)])
+        faster = "p2p" if ratio > 1 else "broadcast"
+        wins = sum(b > p for b, p in zip(times[("broadcast", m, True)], times[("p2p", m, True)]))
+        verdict[f"train_step_m{m}"] = {"faster": faster, "paired_broadcast_over_p2p": ratio,
+                                       "rounds_p2p_won": wins, "rounds": len(times[("p2p", m, True)])}
+        say(f"train step m={m}: {faster} is faster (broadcast/p2p time, paired median = {ratio:.3f}; p2p faster in "
+            f"{wins} of {len(times[('p2p', m, True)])} rounds)")
     for size in SIZES:
-        p, b = C.median(samples[(size, "p2p, cache on")]), C.median(samples[(size, "broadcast, cache on")])
-        faster = "p2p" if p < b else "broadcast"
-        verdict[f"pingpong {size}"] = {"faster": faster, "broadcast_over_p2p": b / p}
-        say(f"ping-pong {size}: {faster} is faster (broadcast/p2p time = {b / p:.3f})")
+        ratio = C.paired_ratio(samples[(size, "broadcast, cache on")], samples[(size, "p2p, cache on")])
+        faster = "p2p" if ratio > 1 else "broadcast"
+        wins = sum(b > p for b, p in zip(samples[(size, "broadcast, cache on")], samples[(size, "p2p, cache on")]))
+        verdict[f"pingpong {size}"] = {"faster": faster, "paired_broadcast_over_p2p": ratio, "rounds_p2p_won": wins}
+        say(f"ping-pong {size}: {faster} is faster (broadcast/p2p time, paired median = {ratio:.3f}; p2p faster in "
+            f"{wins} of {args.rounds} rounds)")
     losses = list(first_loss.values())
     spread = max(losses) - min(losses)
     say(f"first-step losses agree across variants: spread {spread:.2e}")
@@ -243,7 +253,9 @@ def main() -> None:
     results["verdict"] = verdict
     results["first_step_loss_spread"] = spread
     results["total_s"] = time.perf_counter() - t_start
-    say(f"total {results['total_s']:.0f} s")
+    results["loadavg_at_end"] = C.loadavg()
+    say(f"total {results['total_s']:.0f} s; load average (1/5/15 min) at start {results['env']['loadavg_at_start']}, "
+        f"at end {results['loadavg_at_end']} on {C.os.cpu_count()} cores")
     if rank == 0:
         say("wrote " + C.write_results(NAME, results))
     dist.barrier()

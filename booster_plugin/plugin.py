@@ -105,6 +105,8 @@ class HybridParallelPlugin:
         for name, p in model.named_parameters(remove_duplicate=False):  # a tied parameter has several names
             param_names.setdefault(id(p), []).append(name)
         policy = self.custom_policy if self.custom_policy is not None else get_autopolicy(model)
+        # the unsharded layout (names, shapes, dtypes, holding stages), for checkpoints in HF format
+        full_params = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
         rng_tracker = None
         if self.tp_size > 1:
             from shardformer.layer.dropout import TPRNGTracker
@@ -131,6 +133,7 @@ class HybridParallelPlugin:
         module = HybridParallelModule(model, sharder.stage_forward, self.dp_group if self.dp_size > 1 else None,
                                       self.tp_group if self.tp_size > 1 else None,
                                       self.pp_group if self.pp_size > 1 else None, shared)
+        module.policy, module.full_params = policy, full_params
         module.sync_params()
         if optimizer is not None:
             _rebind_optimizer(optimizer, param_names, params)

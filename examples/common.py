@@ -14,7 +14,7 @@ from tqdm import tqdm
 from booster_plugin import Booster, HybridParallelPlugin
 
 
-def get_parser(description: str, steps: int = 80, batch_size: int = 16, seq_len: int = 64, lr: float = 3e-3,
+def get_parser(description: str, steps: int = 80, batch_size: int = 16, seq_len: int = 128, lr: float = 2e-3,
                out: str = "out") -> argparse.ArgumentParser:
     """The flags every example shares; --tp/--pp default to default_layout(world size)."""
     p = argparse.ArgumentParser(description=description)

@@ -1,6 +1,7 @@
 """The boosted model and optimizer: run a stage's forward, then reduce gradients across stages and replicas."""
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -110,10 +111,12 @@ class HybridParallelModule(nn.Module):
 class HybridParallelOptimizer:
     """Wraps the user's optimizer (now over this stage's parameters): gradient sync and clipping before step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: HybridParallelModule, max_norm: float = 0.0) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: HybridParallelModule, max_norm: float = 0.0,
+                 tracer=None) -> None:
         self.optim = optimizer
         self.model = model
         self.max_norm = max_norm
+        self.tracer = tracer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optim, name)
@@ -140,10 +143,11 @@ class HybridParallelOptimizer:
         return total
 
     def step(self, *args, **kwargs):
-        self.model.sync_grads()
-        if self.max_norm > 0:
-            self.clip_grad_norm(self.max_norm)
-        return self.optim.step(*args, **kwargs)
+        with self.tracer.span("optimizer") if self.tracer is not None else contextlib.nullcontext():
+            self.model.sync_grads()
+            if self.max_norm > 0:
+                self.clip_grad_norm(self.max_norm)
+            return self.optim.step(*args, **kwargs)
 
     def state_dict(self) -> Dict[str, Any]:
         return self.optim.state_dict()

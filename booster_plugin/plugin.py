@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+from pipeline.trace import ScheduleTracer
 from pipeline import OneForwardOneBackwardSchedule, PipelineP2PCommunication, PipelineStageManager, ProcessGroupMesh
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sharder import ShardConfig, Sharder
@@ -51,6 +52,7 @@ class HybridParallelPlugin:
                  num_model_chunks: int = 1, enable_sequence_parallelism: bool = False,
                  parallel_output: bool = True, make_vocab_size_divisible_by: int = 64,
                  enable_metadata_cache: bool = True, p2p_transport: str = "p2p", seed: int = 1024,
+                 trace: Optional[bool] = None,
                  **unsupported: Any) -> None:
         # every check before the first collective, so that bad input fails the same way on every rank
         if unsupported:
@@ -96,6 +98,8 @@ class HybridParallelPlugin:
             p2p = PipelineP2PCommunication(self.stage_manager, self.device, transport=p2p_transport,
                                            enable_metadata_cache=enable_metadata_cache)
             self.schedule = OneForwardOneBackwardSchedule(self.stage_manager, p2p, num_microbatches, microbatch_size)
+            if trace if trace is not None else os.environ.get("HP_TRACE", "0") not in ("", "0"):
+                self.schedule.tracer = ScheduleTracer(self.stage_manager.stage, pp_size)
 
     # -- boosting ---------------------------------------------------------------------------------------
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
@@ -137,7 +141,8 @@ class HybridParallelPlugin:
         module.sync_params()
         if optimizer is not None:
             _rebind_optimizer(optimizer, param_names, params)
-            optimizer = HybridParallelOptimizer(optimizer, module, self.max_norm)
+            optimizer = HybridParallelOptimizer(optimizer, module, self.max_norm,
+                                                tracer=self.schedule.tracer if self.schedule else None)
         return module, optimizer, criterion, dataloader, lr_scheduler
 
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,
@@ -146,6 +151,15 @@ class HybridParallelPlugin:
         if self.schedule is None:
             raise ValueError("execute_pipeline needs num_microbatches or microbatch_size in HybridParallelPlugin.")
         return self.schedule.forward_backward_step(model, data_iter, criterion, optimizer, return_loss, return_outputs)
+
+    def write_trace(self, out_dir: str) -> Optional[Dict[str, float]]:
+        """Collective: write the recorded schedule timeline (trace.json, timeline.png, bubble.json) from rank 0.
+
+        Needs `trace=True` (or HP_TRACE=1); returns the bubble summary on rank 0."""
+        tracer = self.schedule.tracer if self.schedule else None
+        if tracer is None:
+            raise ValueError("No trace was recorded: create the plugin with trace=True or set HP_TRACE=1.")
+        return tracer.gather_and_write(out_dir)
 
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,
                            drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0,

@@ -6,6 +6,7 @@ Stage s runs `min(p - s - 1, m)` warm-up forwards, so at most `p - s` microbatch
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import torch
@@ -13,6 +14,9 @@ import torch.distributed as dist
 
 from .p2p import PipelineP2PCommunication
 from .stage_manager import PipelineStageManager
+from .trace import ScheduleTracer
+
+_NO_SPAN = contextlib.nullcontext()
 
 
 def split_batch(batch: Mapping[str, Any], num_microbatches: Optional[int], microbatch_size: Optional[int]) -> List[Dict[str, Any]]:
@@ -100,10 +104,23 @@ class OneForwardOneBackwardSchedule:
         self.num_microbatches = num_microbatches
         self.microbatch_size = microbatch_size
         self.peak_inflight_microbatches = 0  # activations alive at once on this stage, for the memory promise
+        self.tracer: Optional[ScheduleTracer] = None  # set to record a timeline (pipeline/trace.py)
+
+    def _span(self, kind: str, microbatch: int = -1):
+        return _NO_SPAN if self.tracer is None else self.tracer.span(kind, microbatch)
+
+    def _comm(self, kind: str, fn: Callable, *args: Any) -> Any:
+        with self._span(kind):
+            return fn(*args)
 
     # -- one microbatch -----------------------------------------------------------------------------------
     def _forward(self, model: Callable, micro_batch: Dict[str, Any], input_obj: Any, criterion: Optional[Callable],
                  state: Dict[str, Any]) -> Any:
+        with self._span("forward", state["forwards"]):
+            state["forwards"] += 1
+            return self._forward_step(model, micro_batch, input_obj, criterion, state)
+
+    def _forward_step(self, model, micro_batch, input_obj, criterion, state) -> Any:
         output = model(**micro_batch, **(input_obj or {}))
         if not self.stage_manager.is_last_stage():
             return output
@@ -115,8 +132,13 @@ class OneForwardOneBackwardSchedule:
         state["loss"] += loss.detach()
         return loss
 
+    def _backward(self, optimizer: Any, input_obj: Any, output_obj: Any, output_grad: Any, state: Dict[str, Any]) -> Any:
+        with self._span("backward", state["backwards"]):
+            state["backwards"] += 1
+            return self._backward_step(optimizer, input_obj, output_obj, output_grad)
+
     @staticmethod
-    def _backward(optimizer: Any, input_obj: Any, output_obj: Any, output_grad: Any) -> Any:
+    def _backward_step(optimizer: Any, input_obj: Any, output_obj: Any, output_grad: Any) -> Any:
         if output_grad is None:  # last stage: output_obj is the (scaled) loss
             if hasattr(optimizer, "backward"):
                 optimizer.backward(output_obj)
@@ -137,16 +159,18 @@ class OneForwardOneBackwardSchedule:
         if m < sm.num_stages:
             raise ValueError(f"1F1B needs at least pp_size={sm.num_stages} microbatches, got {m}.")
         state = {"loss": torch.zeros((), device=p2p.device), "outputs": [], "return_outputs": return_outputs,
-                 "num_microbatches": m}
+                 "num_microbatches": m, "forwards": 0, "backwards": 0}
+        if self.tracer is not None:
+            self.tracer.start_step(m, sm.pp_group)
         first, last = sm.is_first_stage(), sm.is_last_stage()
         next_mb = iter(microbatches)
 
         if not torch.is_grad_enabled():  # evaluation: forwards only
             for mb in next_mb:
-                input_obj = None if first else p2p.recv_forward()
+                input_obj = None if first else self._comm("recv", p2p.recv_forward)
                 output = self._forward(model, mb, input_obj, criterion, state)
                 if not last:
-                    p2p.send_forward(output)
+                    self._comm("send", p2p.send_forward, output)
             return self._finish(state, criterion is not None and return_loss)
 
         num_warmup = min(sm.num_stages - sm.stage - 1, m)
@@ -163,27 +187,27 @@ class OneForwardOneBackwardSchedule:
             return output
 
         for _ in range(num_warmup):
-            output = run_forward(None if first else p2p.recv_forward())
-            p2p.send_forward(output)
+            output = run_forward(None if first else self._comm("recv", p2p.recv_forward))
+            self._comm("send", p2p.send_forward, output)
 
-        input_obj = None if first or num_steady == 0 else p2p.recv_forward()
+        input_obj = None if first or num_steady == 0 else self._comm("recv", p2p.recv_forward)
         for i in range(num_steady):
             output = run_forward(input_obj)
-            output_grad = None if last else p2p.send_forward_recv_backward(output)
-            input_grad = self._backward(optimizer, input_objs.pop(0), output_objs.pop(0), output_grad)
+            output_grad = None if last else self._comm("send+recv", p2p.send_forward_recv_backward, output)
+            input_grad = self._backward(optimizer, input_objs.pop(0), output_objs.pop(0), output_grad, state)
             if i == num_steady - 1:
                 if not first:
-                    p2p.send_backward(input_grad)
+                    self._comm("send", p2p.send_backward, input_grad)
             elif first:
                 input_obj = None
             else:
-                input_obj = p2p.send_backward_recv_forward(input_grad)
+                input_obj = self._comm("send+recv", p2p.send_backward_recv_forward, input_grad)
 
         for _ in range(num_warmup):
-            output_grad = p2p.recv_backward()
-            input_grad = self._backward(optimizer, input_objs.pop(0), output_objs.pop(0), output_grad)
+            output_grad = self._comm("recv", p2p.recv_backward)
+            input_grad = self._backward(optimizer, input_objs.pop(0), output_objs.pop(0), output_grad, state)
             if not first:
-                p2p.send_backward(input_grad)
+                self._comm("send", p2p.send_backward, input_grad)
         return self._finish(state, return_loss)
 
     def _finish(self, state: Dict[str, Any], return_loss: bool) -> Dict[str, Any]:

@@ -1,0 +1,125 @@
+"""Optional per-rank timeline of a pipeline schedule: forward, backward, send, receive and optimizer spans.
+
+Off by default (the schedule then holds no tracer and pays one `is None` check per span). When on, every rank
+records (kind, microbatch, start, end) against a clock aligned by a barrier at the start of each step;
+`gather_and_write` collects all ranks' events as tensors (no pickle) on rank 0, which writes a Chrome trace JSON
+(open in Perfetto or chrome://tracing), a PNG timeline of all stages, and the measured vs theoretical bubble.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("forward", "backward", "send", "recv", "send+recv", "optimizer")
+COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "send": "#55A868", "recv": "#8C8C8C", "send+recv": "#8172B3",
+          "optimizer": "#C44E52"}
+
+
+class ScheduleTracer:
+    def __init__(self, stage: int, num_stages: int) -> None:
+        self.stage, self.num_stages = stage, num_stages
+        self.events: List[tuple] = []  # (kind index, microbatch, start s, end s, step)
+        self.step = -1
+        self.num_microbatches = 0
+        self._epoch = 0.0
+
+    def start_step(self, num_microbatches: int, group: Optional[dist.ProcessGroup] = None) -> None:
+        dist.barrier(group=group)  # align the ranks' clocks at the step start
+        self.step += 1
+        self.num_microbatches = num_microbatches
+        if self.step == 0:
+            self._epoch = time.perf_counter()
+
+    @contextlib.contextmanager
+    def span(self, kind: str, microbatch: int = -1):
+        start = time.perf_counter() - self._epoch
+        try:
+            yield
+        finally:
+            self.events.append((KINDS.index(kind), microbatch, start, time.perf_counter() - self._epoch, self.step))
+
+    def gather_and_write(self, out_dir: str, group: Optional[dist.ProcessGroup] = None) -> Optional[Dict[str, float]]:
+        """Collective over `group` (default: the world): rank 0 of it writes trace.json, timeline.png, bubble.json."""
+        rank = dist.get_rank(group)
+        mine = torch.tensor([[k, mb, s, e, st, self.stage] for k, mb, s, e, st in self.events] or
+                            torch.zeros(0, 6).tolist(), dtype=torch.float64).view(-1, 6)
+        world = dist.get_world_size(group)
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([mine.shape[0]]), group=group)
+        longest = max(int(c.item()) for c in counts)
+        padded = torch.zeros(longest, 6, dtype=torch.float64)
+        padded[: mine.shape[0]] = mine
+        parts = [torch.zeros_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+        if rank != 0:
+            return None
+        per_rank = [p[: int(c.item())] for p, c in zip(parts, counts)]
+        os.makedirs(out_dir, exist_ok=True)
+        summary = bubble_summary(per_rank, self.num_stages, self.num_microbatches)
+        write_chrome_trace(per_rank, os.path.join(out_dir, "trace.json"))
+        write_png(per_rank, os.path.join(out_dir, "timeline.png"), summary)
+        with open(os.path.join(out_dir, "bubble.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        return summary
+
+
+def bubble_summary(per_rank: List[torch.Tensor], num_stages: int, num_microbatches: int) -> Dict[str, float]:
+    """Bubble of the last recorded step: 1 - compute time / step time, averaged over ranks."""
+    fractions = []
+    for events in per_rank:
+        if events.numel() == 0:
+            continue
+        last = events[events[:, 4] == events[:, 4].max()]
+        compute = last[(last[:, 0] == 0) | (last[:, 0] == 1)]
+        span = last[:, 3].max() - last[:, 2].min()
+        busy = (compute[:, 3] - compute[:, 2]).sum()
+        fractions.append(float(1 - busy / span) if span > 0 else 0.0)
+    p, m = num_stages, num_microbatches
+    return {"measured_bubble": sum(fractions) / max(len(fractions), 1),
+            "theoretical_bubble": (p - 1) / (m + p - 1) if m else 0.0, "num_stages": p, "num_microbatches": m}
+
+
+def write_chrome_trace(per_rank: List[torch.Tensor], path: str) -> None:
+    events = []
+    for rank, rows in enumerate(per_rank):
+        for k, mb, s, e, step, stage in rows.tolist():
+            name = KINDS[int(k)] + (f" mb{int(mb)}" if mb >= 0 else "")
+            events.append({"name": name, "cat": KINDS[int(k)], "ph": "X", "ts": s * 1e6, "dur": (e - s) * 1e6,
+                           "pid": 0, "tid": rank, "args": {"step": int(step), "stage": int(stage)}})
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+                       "args": {"name": f"rank {rank} (stage {int(rows[0, 5]) if len(rows) else '?'})"}})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def write_png(per_rank: List[torch.Tensor], path: str, summary: Dict[str, float]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:  # the PNG is optional; the JSON trace is always written
+        return
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(per_rank) + 1.5))
+    for rank, rows in enumerate(per_rank):
+        for k, mb, s, e, _, _ in rows.tolist():
+            kind = KINDS[int(k)]
+            ax.barh(rank, (e - s) * 1e3, left=s * 1e3, color=COLORS[kind], edgecolor="white", linewidth=0.3)
+            if kind in ("forward", "backward") and (e - s) * 1e3 > 0.5:
+                ax.text((s + e) / 2 * 1e3, rank, str(int(mb)), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(f"pipeline timeline — bubble measured {summary['measured_bubble']:.1%}, "
+                 f"theory (p-1)/(m+p-1) = {summary['theoretical_bubble']:.1%}")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.35), fontsize=7, ncol=6, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -47,7 +47,29 @@ def test_p2p_structure_round_trip_without_pickle():
 
 
 # -- 2 ranks -------------------------------------------------------------------------------------------------------
-def _two_ranks():
+def _check_trace(out_dir: str):
+    """With trace=True each rank records every microbatch's forward and backward; rank 0 writes the timeline."""
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=4, trace=True)
+    booster = Booster(plugin=plugin)
+    model = mu.build("llama_lm")
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters()))
+    for step in range(2):
+        booster.execute_pipeline(iter([mu.make_batch("llama_lm", 8, step)]), model, mu.criterion, opt)
+        opt.step()
+    kinds = [e[0] for e in plugin.schedule.tracer.events if e[4] == 1]
+    assert kinds.count(0) == 4 and kinds.count(1) == 4 and kinds.count(5) == 1, kinds  # fwd, bwd, optimizer
+    summary = plugin.write_trace(out_dir)
+    if dist.get_rank() == 0:
+        import json, os
+        assert 0 <= summary["measured_bubble"] < 1 and summary["theoretical_bubble"] == 0.2
+        trace = json.load(open(os.path.join(out_dir, "trace.json")))
+        assert {e["tid"] for e in trace["traceEvents"]} == {0, 1}
+        assert os.path.getsize(os.path.join(out_dir, "timeline.png")) > 0
+    off = HybridParallelPlugin(pp_size=2, num_microbatches=4)
+    assert off.schedule.tracer is None  # off by default
+
+
+def _two_ranks(tmp_dir: str):
     # pp=2: tied GPT-2, Llama, both classification heads, the base models, uneven and user-given splits
     for kind in ("gpt2_lm", "llama_lm", "gpt2_cls", "llama_cls", "gpt2", "llama"):
         mu.check_training(kind, pp_size=2, num_microbatches=4)
@@ -59,6 +81,7 @@ def _two_ranks():
     for kind in ("gpt2_lm", "llama_lm", "llama"):
         mu.check_evaluation(kind, pp_size=2, num_microbatches=4)
     _check_memory_promise()
+    _check_trace(tmp_dir)
     _check_bad_input()
 
 
@@ -95,8 +118,8 @@ def _check_bad_input():
     dist.barrier()  # nobody is stuck in a collective
 
 
-def test_pipeline_two_ranks():
-    run_distributed(2, _two_ranks)
+def test_pipeline_two_ranks(tmp_path):
+    run_distributed(2, _two_ranks, str(tmp_path))
 
 
 # -- 4 ranks: pp=4, and pp=2 × dp=2 ---------------------------------------------------------------------------------

@@ -1,0 +1,22 @@
+# Two commands for a newcomer: `make example` (train a small GPT-2 with pipeline parallel) and `make test`.
+PYTHON ?= python3
+NPROC ?= 2
+
+.PHONY: install example test bench
+
+install:
+	@# torch first, pinned: here that takes the CPU wheel on disk; a plain `torch` requirement may pull a
+	@# multi-GB CUDA build. An existing torch (e.g. your CUDA build) is kept.
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e ".[test,examples]"
+
+example: install
+	$(PYTHON) -m torch.distributed.run --nproc_per_node=$(NPROC) examples/train_gpt2.py
+
+test: install
+	$(PYTHON) -m pytest tests -q
+
+bench: install
+	$(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_pipeline.py
+	$(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_tp.py
+	$(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_p2p.py

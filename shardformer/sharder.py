@@ -50,6 +50,7 @@ class Sharder:
         if self.shard_config.tp_size > 1:
             self._replace_modules()
             self._retie(tied)
+            self._enter_tp_regions_once()
             self._change_attributes()
             self._use_local_rng()
         return shared
@@ -143,6 +144,28 @@ class Sharder:
                 for name in held:
                     parent, attr = _parent_and_name(self.model, name)
                     setattr(parent, attr, source)
+
+    def _enter_tp_regions_once(self) -> None:
+        """One copy_to_tp at the input of a region (e.g. attention) instead of one per column layer inside it."""
+        from .layer import ColumnParallelLinear, copy_to_tp
+
+        group, prefix = self.shard_config.tensor_parallel_process_group, self.policy.base_prefix
+
+        def enter(module, args, kwargs):
+            if args:
+                return (copy_to_tp(args[0], group), *args[1:]), kwargs
+            key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+            return args, {**kwargs, key: copy_to_tp(kwargs[key], group)}
+
+        for path, region in self.model.named_modules():
+            rel = path[len(prefix):] if path.startswith(prefix) else None
+            if rel is None or not any(match(p, rel) for p in self.policy.tp_input_regions):
+                continue
+            columns = [m for m in region.modules() if isinstance(m, ColumnParallelLinear)]
+            if columns:
+                region.register_forward_pre_hook(enter, with_kwargs=True)
+                for column in columns:
+                    column.input_is_copied = True
 
     def _change_attributes(self) -> None:
         tp, prefix = self.shard_config.tp_size, self.policy.base_prefix

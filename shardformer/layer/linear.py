@@ -77,6 +77,9 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.is_conv1d = is_conv1d
         self.n_fused = n_fused
+        # True when the enclosing module already entered the TP region (copy_to_tp of the shared input), so
+        # sibling projections (q, k, v; gate, up) all-reduce their summed input gradient once, not once each
+        self.input_is_copied = False
 
         shape = (in_features, self.out_features) if is_conv1d else (self.out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -125,7 +128,8 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
-        x = copy_to_tp(x, self.tp_group)
+        if not self.input_is_copied:
+            x = copy_to_tp(x, self.tp_group)
         weight = self.weight.t() if self.is_conv1d else self.weight
         out = F.linear(x, weight, self.bias)
         if not self.gather_output:

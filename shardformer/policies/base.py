@@ -54,6 +54,7 @@ class Policy:
     head_tp_plan: Dict[str, ParallelStyle] = {}     # model-relative pattern (outside the base) -> style
     tp_attributes: Dict[str, Sequence[str]] = {}    # base-relative pattern -> attributes divided by tp_size
     tp_divisible: Sequence[str] = ()                # config attributes that must be divisible by tp_size
+    tp_input_regions: Sequence[str] = ()           # base-relative modules whose input all column layers share
     local_rng_modules: Sequence[str] = ()           # base-relative patterns whose dropout acts on split heads
     shared_rng_modules: Sequence[str] = ()          # patterns inside those whose dropout acts on replicated data
 

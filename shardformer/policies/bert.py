@@ -18,5 +18,6 @@ class BertPolicy(Policy):
     # BertForMaskedLM computes its loss with CrossEntropyLoss over the full vocabulary: gather the logits.
     head_tp_plan = {"cls.predictions.decoder": VocabHead(gather_output=True)}
     tp_attributes = {"encoder.layer.*.attention.self": ("num_attention_heads", "all_head_size")}
+    tp_input_regions = ("encoder.layer.*.attention.self",)  # query/key/value share one input
     tp_divisible = ("num_attention_heads", "intermediate_size")
     local_rng_modules = ("encoder.layer.*.attention.self",)

@@ -21,6 +21,7 @@ class LlamaPolicy(Policy):
     }
     head_tp_plan = {"lm_head": VocabHead()}
     tp_attributes = {}  # attention reshapes with -1 heads; nothing to divide
+    tp_input_regions = ("layers.*.self_attn", "layers.*.mlp")  # q/k/v and gate/up share one input
     tp_divisible = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
     local_rng_modules = ("layers.*.self_attn",)
 

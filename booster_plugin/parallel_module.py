@@ -112,11 +112,25 @@ class HybridParallelOptimizer:
     """Wraps the user's optimizer (now over this stage's parameters): gradient sync and clipping before step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: HybridParallelModule, max_norm: float = 0.0,
-                 tracer=None) -> None:
+                 tracer=None, master_dtype: Optional[torch.dtype] = None) -> None:
         self.optim = optimizer
         self.model = model
         self.max_norm = max_norm
         self.tracer = tracer
+        # mixed precision: the optimizer steps fp32 master copies of the (bf16) model parameters
+        self.master_of: Dict[int, nn.Parameter] = {}
+        self._pairs: List[tuple] = []
+        if master_dtype is not None:
+            for group in optimizer.param_groups:
+                masters = []
+                for p in group["params"]:
+                    master = nn.Parameter(p.detach().to(master_dtype).clone(), requires_grad=p.requires_grad)
+                    if get_tp_spec(p) is not None:
+                        master._tp_spec = get_tp_spec(p)
+                    self.master_of[id(p)] = master
+                    self._pairs.append((p, master))
+                    masters.append(master)
+                group["params"] = masters
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optim, name)
@@ -132,6 +146,17 @@ class HybridParallelOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
+        if self._pairs:
+            self.model.zero_grad(set_to_none=set_to_none)
+
+    def named_parameters(self):
+        """(model parameter name, the parameter this optimizer steps) for this rank's parameters."""
+        stepped = {id(q) for group in self.optim.param_groups for q in group["params"]}
+        for name, p in self.model.unwrap().named_parameters():
+            if id(p) in self.master_of:
+                yield name, self.master_of[id(p)]
+            elif id(p) in stepped:
+                yield name, p
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         total = self.model.grad_norm(norm_type)
@@ -145,9 +170,15 @@ class HybridParallelOptimizer:
     def step(self, *args, **kwargs):
         with self.tracer.span("optimizer") if self.tracer is not None else contextlib.nullcontext():
             self.model.sync_grads()
+            for p, master in self._pairs:
+                master.grad = None if p.grad is None else p.grad.to(master.dtype)
             if self.max_norm > 0:
                 self.clip_grad_norm(self.max_norm)
-            return self.optim.step(*args, **kwargs)
+            result = self.optim.step(*args, **kwargs)
+            with torch.no_grad():
+                for p, master in self._pairs:
+                    p.copy_(master)
+            return result
 
     def state_dict(self) -> Dict[str, Any]:
         return self.optim.state_dict()

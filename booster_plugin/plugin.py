@@ -142,7 +142,8 @@ class HybridParallelPlugin:
         if optimizer is not None:
             _rebind_optimizer(optimizer, param_names, params)
             optimizer = HybridParallelOptimizer(optimizer, module, self.max_norm,
-                                                tracer=self.schedule.tracer if self.schedule else None)
+                                                tracer=self.schedule.tracer if self.schedule else None,
+                                                master_dtype=torch.float32 if self.precision != "fp32" else None)
         return module, optimizer, criterion, dataloader, lr_scheduler
 
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,

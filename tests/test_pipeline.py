@@ -69,6 +69,26 @@ def _check_trace(out_dir: str):
     assert off.schedule.tracer is None  # off by default
 
 
+def _check_bf16_keeps_fp32_master_weights():
+    """precision='bf16': bf16 compute, fp32 master weights stepped by the optimizer, losses near fp32's."""
+    reference = mu.build("llama_lm")
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=2, precision="bf16")
+    booster = Booster(plugin=plugin)
+    model = mu.build("llama_lm")
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = mu.make_batch("llama_lm", 4, 0)
+    expected = mu.microbatch_mean_loss(reference, batch, 2).item()
+    loss = booster.execute_pipeline(iter([batch]), model, mu.criterion, opt)["loss"].item()
+    assert abs(loss - expected) < 2e-2 * abs(expected), (loss, expected)
+    opt.step()
+    names = dict(opt.named_parameters())
+    assert names and all(m.dtype == torch.float32 for m in names.values())
+    for name, p in model.unwrap().named_parameters():
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p.data, names[name].data.to(torch.bfloat16)), name
+        assert not torch.equal(names[name].data, mu.build("llama_lm").get_parameter(name).data), f"{name} did not move"
+
+
 def _two_ranks(tmp_dir: str):
     # pp=2: tied GPT-2, Llama, both classification heads, the base models, uneven and user-given splits
     for kind in ("gpt2_lm", "llama_lm", "gpt2_cls", "llama_cls", "gpt2", "llama"):
@@ -81,6 +101,7 @@ def _two_ranks(tmp_dir: str):
     for kind in ("gpt2_lm", "llama_lm", "llama"):
         mu.check_evaluation(kind, pp_size=2, num_microbatches=4)
     _check_memory_promise()
+    _check_bf16_keeps_fp32_master_weights()
     _check_trace(tmp_dir)
     _check_bad_input()
 

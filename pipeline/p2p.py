@@ -1,13 +1,14 @@
 """Point-to-point transfer of nested tensor structures between adjacent pipeline stages.
 
-A transfer is a fixed-size header, then (only when the structure changed) its metadata as JSON bytes, then the
-tensors. Metadata (structure, shapes, dtypes, small non-tensor values) never goes through pickle and is cached per
-link and direction: while it stays the same, only the header (one int64) and the tensors travel.
+Structure, shapes, dtypes and small non-tensor values travel as JSON bytes (never pickle). With the metadata cache
+on, a link's first transfer of each step starts with a one-int64 header (0 = "same metadata as last time", else
+the length of the new metadata that follows); the step's other transfers carry only tensors, since the
+microbatches of one step share their shapes (the sender checks it). With the cache off every transfer has a header.
 
-Two transports: "p2p" (batched isend/irecv; the default, see benchmarks/bench_p2p.py) and "broadcast" (the original
-design: a broadcast in a two-rank group per adjacent pair). Combined send+recv calls post both directions at once
-with "p2p"; with "broadcast" they run forward-direction first on both ends of a link, which keeps the order of
-collectives identical on both ranks.
+Two transports: "p2p" (batched isend/irecv; sends are waited on lazily, so they overlap the next compute) and
+"broadcast" (the original design: a broadcast in a two-rank group per adjacent pair; combined send+recv calls then
+run forward-direction first on both ends of a link, which keeps the order of collectives identical on both ranks).
+`benchmarks/bench_p2p.py` measures both; "p2p" is the default.
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ class _Link:
     def __init__(self) -> None:
         self.meta: Optional[bytes] = None
         self.decoded: Optional[Dict[str, Any]] = None
+        self.header_due = True  # the first transfer of a step carries a header
 
 
 class PipelineP2PCommunication:
@@ -82,13 +84,11 @@ class PipelineP2PCommunication:
         self._pair_groups: Dict[Tuple[int, int], dist.ProcessGroup] = {}
         if transport == "broadcast":
             mesh, axis, n = stage_manager.pg_mesh, stage_manager.pipeline_axis, stage_manager.num_stages
-            pairs = [(s, (s + 1) % n) for s in range(n)] if n > 2 else [(0, 1)] if n == 2 else []
-            for a, b in pairs:  # every rank creates every pair group (new_group is collective)
-                group = mesh.get_group_along_axis(axis, indices=sorted((a, b)))
+            for a in range(n - 1):  # every rank creates every pair group (new_group is collective)
+                group = mesh.get_group_along_axis(axis, indices=(a, a + 1))
                 if group is not None:
-                    peer = b if stage_manager.stage == a else a
-                    self._pair_groups[(min(stage_manager.stage_ranks[a], stage_manager.stage_ranks[b]),
-                                       max(stage_manager.stage_ranks[a], stage_manager.stage_ranks[b]))] = group
+                    self._pair_groups[(stage_manager.stage_ranks[a], stage_manager.stage_ranks[a + 1])] = group
+        self._pending_sends: List[Any] = []
 
     # -- public API -------------------------------------------------------------------------------------
     def send_forward(self, obj: Any) -> None:
@@ -115,43 +115,59 @@ class PipelineP2PCommunication:
     def _link(self, peer: int, direction: str, way: str) -> _Link:
         return self._links.setdefault((peer, direction, way), _Link())
 
+    def new_step(self) -> None:
+        """Called by the schedule at each step start: the next transfer on every link carries a header again."""
+        for link in self._links.values():
+            link.header_due = True
+
+    def flush(self) -> None:
+        """Wait for the sends still in flight (the schedule calls it at the end of a step)."""
+        for work in self._pending_sends:
+            work.wait()
+        self._pending_sends.clear()
+
     def _exchange(self, sends, recvs) -> List[Any]:
-        """Send and receive in three phases (header, metadata if changed, tensors), both directions together."""
-        out_meta, out_tensors, out_headers = [], [], []
+        """Send and receive together: headers and changed metadata where due, then the tensors."""
+        cache = self.enable_metadata_cache
+        header_sends, meta_sends, out_tensors = [], [], []
         for peer, direction, obj in sends:
             tree, tensors = flatten(obj)
             meta = _metadata(tree, tensors)
             link = self._link(peer, direction, "send")
-            changed = not (self.enable_metadata_cache and link.meta == meta)
-            link.meta = meta
-            out_meta.append(meta if changed else None)
-            out_headers.append(torch.tensor([len(meta) if changed else 0], dtype=torch.int64, device=self.device))
+            if cache and not link.header_due and meta != link.meta:
+                raise RuntimeError("A pipeline stage sent differently shaped data within one step; the metadata "
+                                   "cache assumes equal microbatches. Use enable_metadata_cache=False.")
+            if not cache or link.header_due:
+                changed = not cache or meta != link.meta
+                header_sends.append((peer, direction, torch.tensor([len(meta) if changed else 0], device=self.device)))
+                if changed:
+                    meta_sends.append((peer, direction, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)))
+                link.meta, link.header_due = meta, False
             out_tensors.append([t.detach().to(self.device).contiguous() for t in tensors])
-        in_headers = [torch.empty(1, dtype=torch.int64, device=self.device) for _ in recvs]
-
-        # phase 1: headers
-        self._run([(p, d, h) for (p, d, _), h in zip(sends, out_headers)], [(p, d, h) for (p, d), h in zip(recvs, in_headers)])
-        # phase 2: metadata, where it changed
-        meta_sends = [(p, d, torch.frombuffer(bytearray(m), dtype=torch.uint8).to(self.device))
-                      for (p, d, _), m in zip(sends, out_meta) if m is not None]
+        header_recvs = []
+        for peer, direction in recvs:
+            link = self._link(peer, direction, "recv")
+            if not cache or link.header_due:
+                header_recvs.append((peer, direction, torch.empty(1, dtype=torch.int64, device=self.device)))
+                link.header_due = False
+        if header_sends or header_recvs:
+            self._run(header_sends, header_recvs)
         meta_recvs = [(p, d, torch.empty(int(h.item()), dtype=torch.uint8, device=self.device))
-                      for (p, d), h in zip(recvs, in_headers) if h.item() > 0]
+                      for p, d, h in header_recvs if h.item() > 0]
         if meta_sends or meta_recvs:
             self._run(meta_sends, meta_recvs)
-        fresh = iter(meta_recvs)
+        for peer, direction, raw in meta_recvs:
+            self._link(peer, direction, "recv").decoded = json.loads(bytes(raw.cpu().numpy()).decode())
         decoded = []
-        for (peer, direction), header in zip(recvs, in_headers):
+        for peer, direction in recvs:
             link = self._link(peer, direction, "recv")
-            if header.item() > 0:
-                link.decoded = json.loads(bytes(next(fresh)[2].cpu().numpy()).decode())
-            elif link.decoded is None:
+            if link.decoded is None:
                 raise RuntimeError(f"Pipeline P2P: rank {peer} sent cached metadata that this rank never received.")
             decoded.append(link.decoded)
-        # phase 3: tensors
         in_tensors = [[torch.empty(shape, dtype=getattr(torch, dtype), device=self.device) for shape, dtype, _ in d["tensors"]]
                       for d in decoded]
         self._run([(p, d, t) for (p, d, _), ts in zip(sends, out_tensors) for t in ts],
-                  [(p, d, t) for (p, d), ts in zip(recvs, in_tensors) for t in ts])
+                  [(p, d, t) for (p, d), ts in zip(recvs, in_tensors) for t in ts], defer_sends=True)
         results = []
         for d, tensors in zip(decoded, in_tensors):
             for t, (_, _, requires_grad) in zip(tensors, d["tensors"]):
@@ -159,13 +175,19 @@ class PipelineP2PCommunication:
             results.append(unflatten(d["tree"], tensors))
         return results
 
-    def _run(self, sends: List[Tuple[int, str, torch.Tensor]], recvs: List[Tuple[int, str, torch.Tensor]]) -> None:
+    def _run(self, sends: List[Tuple[int, str, torch.Tensor]], recvs: List[Tuple[int, str, torch.Tensor]],
+             defer_sends: bool = False) -> None:
         if self.transport == "p2p":
             ops = [dist.P2POp(dist.isend, t, peer) for peer, _, t in sends]
             ops += [dist.P2POp(dist.irecv, t, peer) for peer, _, t in recvs]
-            if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+            if not ops:
+                return
+            works = dist.batch_isend_irecv(ops)
+            if defer_sends:
+                self._pending_sends.extend(works[: len(sends)])
+                works = works[len(sends):]
+            for work in works:
+                work.wait()
             return
         # broadcast: forward-direction transfers first, so both ends of a link issue them in the same order
         me = dist.get_rank()

@@ -162,6 +162,7 @@ class OneForwardOneBackwardSchedule:
                  "num_microbatches": m, "forwards": 0, "backwards": 0}
         if self.tracer is not None:
             self.tracer.start_step(m, sm.pp_group)
+        p2p.new_step()
         first, last = sm.is_first_stage(), sm.is_last_stage()
         next_mb = iter(microbatches)
 
@@ -211,6 +212,7 @@ class OneForwardOneBackwardSchedule:
         return self._finish(state, return_loss)
 
     def _finish(self, state: Dict[str, Any], return_loss: bool) -> Dict[str, Any]:
+        self.p2p.flush()
         loss = None
         if return_loss:
             loss = state["loss"]

@@ -89,6 +89,20 @@ def _check_bf16_keeps_fp32_master_weights():
         assert not torch.equal(names[name].data, mu.build("llama_lm").get_parameter(name).data), f"{name} did not move"
 
 
+def _check_shapes_change_between_steps():
+    """The metadata cache re-sends shapes when a step's sequence length differs from the last step's."""
+    reference = mu.build("llama_lm").eval()
+    for transport in ("p2p", "broadcast"):
+        booster = Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2, p2p_transport=transport))
+        model, *_ = booster.boost(mu.build("llama_lm"))
+        model.eval()
+        for seq in (8, 5, 5, 8):
+            batch = {k: v[:, :seq] for k, v in mu.make_batch("llama_lm", 4, seq).items()}
+            with torch.no_grad():
+                loss = booster.execute_pipeline(iter([batch]), model, mu.criterion)["loss"]
+                mu.assert_close(loss, mu.microbatch_mean_loss(reference, batch, 2), f"seq {seq} via {transport}")
+
+
 def _two_ranks(tmp_dir: str):
     # pp=2: tied GPT-2, Llama, both classification heads, the base models, uneven and user-given splits
     for kind in ("gpt2_lm", "llama_lm", "gpt2_cls", "llama_cls", "gpt2", "llama"):
@@ -101,6 +115,7 @@ def _two_ranks(tmp_dir: str):
     for kind in ("gpt2_lm", "llama_lm", "llama"):
         mu.check_evaluation(kind, pp_size=2, num_microbatches=4)
     _check_memory_promise()
+    _check_shapes_change_between_steps()
     _check_bf16_keeps_fp32_master_weights()
     _check_trace(tmp_dir)
     _check_bad_input()

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import torch
 from torch import nn
 
+from .checkpoint_io import HybridParallelCheckpointIO
 from .plugin import HybridParallelPlugin
 
 
@@ -22,7 +23,9 @@ class Booster:
               criterion: Optional[Callable] = None, dataloader=None, lr_scheduler=None):
         """Shard `model` for this rank and wrap the optimizer; returns (model, optimizer, criterion, dataloader,
         lr_scheduler)."""
-        return self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        self.checkpoint_io.register_optimizer(boosted[0], boosted[1])  # load_model refreshes its master weights
+        return boosted
 
     def backward(self, loss: torch.Tensor, optimizer) -> None:
         """Backward for pp_size == 1 (with a pipeline, execute_pipeline runs the backward passes)."""
@@ -39,3 +42,45 @@ class Booster:
     def no_sync(self, model: Optional[nn.Module] = None, optimizer=None):
         """Gradient accumulation: gradients are reduced over data parallel at optimizer.step(), so nothing to skip."""
         yield
+
+    # -- checkpoints (ColossalAI's signatures; see checkpoint_io.py). Collective: call on every rank. ------------
+    @property
+    def checkpoint_io(self) -> HybridParallelCheckpointIO:
+        if getattr(self, "_checkpoint_io", None) is None:
+            self._checkpoint_io = HybridParallelCheckpointIO(self.plugin)
+        return self._checkpoint_io
+
+    def save_model(self, model: nn.Module, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
+                   prefix: Optional[str] = None, size_per_shard: int = 1024, use_safetensors: bool = False,
+                   use_async: bool = False) -> None:
+        """Write the full, unsharded model in Hugging Face format into directory `checkpoint` (atomically):
+        `model.safetensors` (shard=False) or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`
+        (shard=True, files of about `size_per_shard` MB), `config.json`, `generation_config.json`. Always
+        safetensors (`use_safetensors` is accepted and ignored: nothing is ever pickled)."""
+        self.checkpoint_io.save_model(model, checkpoint, shard=shard, gather_dtensor=gather_dtensor, prefix=prefix,
+                                      size_per_shard=size_per_shard, use_safetensors=use_safetensors,
+                                      use_async=use_async)
+
+    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
+        """Load a Hugging Face safetensors checkpoint (ours or any) into the boosted model of any layout; each rank
+        reads only its slices. Everything is validated first: on any error every rank raises CheckpointError and
+        no parameter changes."""
+        self.checkpoint_io.load_model(model, checkpoint, strict=strict)
+
+    def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
+                       prefix: Optional[str] = None, size_per_shard: int = 1024) -> None:
+        """Write the optimizer state into directory `checkpoint`: one safetensors + JSON per (stage, tp rank),
+        keyed by parameter names, and optimizer.index.json (layout, files)."""
+        self.checkpoint_io.save_optimizer(optimizer, checkpoint, shard=shard, gather_dtensor=gather_dtensor,
+                                          prefix=prefix, size_per_shard=size_per_shard)
+
+    def load_optimizer(self, optimizer, checkpoint: str) -> None:
+        """Load optimizer state saved by save_optimizer from any layout (re-sharded through the TPSpecs)."""
+        self.checkpoint_io.load_optimizer(optimizer, checkpoint)
+
+    def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
+        """Write the scheduler's state_dict to the JSON file `checkpoint` (rank 0, atomically)."""
+        self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
+
+    def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
+        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)

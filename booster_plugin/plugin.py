@@ -125,6 +125,7 @@ class HybridParallelPlugin:
         shared_names = sharder.shard()
         if self.precision == "bf16":
             model.to(torch.bfloat16)
+        sharder._materialize(self.device)  # lazy init: a model built on the meta device gets only this rank's shard
         model.to(self.device)
 
         params = dict(model.named_parameters(remove_duplicate=False))

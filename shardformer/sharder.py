@@ -6,6 +6,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -54,6 +55,103 @@ class Sharder:
             self._change_attributes()
             self._use_local_rng()
         return shared
+
+    # -- lazy initialization -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _materialize(self, device, init: bool = True) -> int:
+        """Allocate the meta parameters and buffers this rank still holds (after sharding) on `device`.
+
+        A model built under `torch.device("meta")` costs no memory; after `shard()` only this rank's shard is left,
+        so allocating here keeps the peak near the shard's size. With `init`, the new tensors are initialized with
+        the model's own `_init_weights` (HF's scheme; tensor-parallel layers through a native-class view of their
+        shard, vocab padding zeroed; buffers such as rotary `inv_freq` recomputed); replicated parameters are then
+        broadcast from tp rank 0 so tp ranks agree (the plugin's sync_params does the same over dp and stages).
+        Non-meta tensors are left untouched. Returns the number of bytes allocated; 0 when nothing was on meta.
+        """
+        device = torch.device(device)
+        new_of: Dict[int, torch.Tensor] = {}
+        keep_alive: List[torch.Tensor] = []  # ids of replaced tensors must stay unique while new_of is in use
+        for module in self.model.modules():
+            for store in (module._parameters, module._buffers):
+                for key, t in list(store.items()):
+                    if t is None or not t.is_meta:
+                        continue
+                    new = new_of.get(id(t))
+                    if new is None:
+                        data = torch.empty(t.shape, dtype=t.dtype, device=device)
+                        if isinstance(t, nn.Parameter):
+                            new = nn.Parameter(data, requires_grad=t.requires_grad)
+                            new.__dict__.update({k: v for k, v in t.__dict__.items() if k != "_is_hf_initialized"})
+                        else:
+                            new = data
+                        new_of[id(t)] = new
+                        keep_alive.append(t)
+                    store[key] = new
+        if not new_of:
+            return 0
+        materialized = {id(t) for t in new_of.values()}
+        if init:
+            self._init_materialized(materialized, device)
+        group = self.shard_config.tensor_parallel_process_group
+        if group is not None and dist.get_world_size(group) > 1:
+            src = dist.get_global_rank(group, 0)
+            for p in self.model.parameters():  # same order on every tp rank of a stage
+                if id(p) in materialized and get_tp_spec(p) is None:
+                    dist.broadcast(p.data, src=src, group=group)
+        return sum(t.numel() * t.element_size() for t in new_of.values())
+
+    def _init_materialized(self, materialized, device) -> None:
+        """HF's per-module init (children before parents, like `initialize_weights`) on the new tensors only."""
+        from .layer import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+        try:
+            from transformers import PreTrainedModel
+            from transformers import initialization as hf_init
+            guard = hf_init.guard_torch_init_functions
+        except ImportError:  # plain torch models: reset_parameters only
+            PreTrainedModel, guard = None, None
+        # other tensors are flagged as initialized, so HF's guarded init functions leave them alone
+        flagged = [t for m in self.model.modules() for t in (*m._parameters.values(), *m._buffers.values())
+                   if t is not None and id(t) not in materialized and not getattr(t, "_is_hf_initialized", False)]
+        for t in flagged:
+            t._is_hf_initialized = True
+        sm = self.shard_config.pipeline_stage_manager
+        group = self.shard_config.tensor_parallel_process_group
+        stage = sm.stage if sm is not None else 0
+        tp_rank = dist.get_rank(group) if group is not None else 0
+        # distinct draws per stage and tp rank (identical shards would make tp halves of a layer symmetric)
+        seed = (torch.initial_seed() + 1_000_003 * stage + 7_919 * tp_rank) % (2 ** 63)
+        devices = [device] if device.type not in ("cpu", "meta") else []
+        try:
+            with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"), \
+                    (guard() if guard is not None else _nullcontext()):
+                torch.manual_seed(seed)
+
+                def visit(module: nn.Module, init_fn) -> None:
+                    if PreTrainedModel is not None and isinstance(module, PreTrainedModel):
+                        init_fn = module._init_weights
+                    for child in module.children():
+                        visit(child, init_fn)
+                    if not any(id(t) in materialized for t in module.parameters()) and \
+                            not any(id(t) in materialized for t in module.buffers()):
+                        return
+                    view = _native_view(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
+                    if init_fn is not None:
+                        init_fn(view)
+                    elif hasattr(module, "reset_parameters"):
+                        module.reset_parameters()
+
+                visit(self.model, None)
+        finally:
+            for t in flagged:
+                del t._is_hf_initialized
+        for p in self.model.parameters():  # vocab padding rows are zero, as sharding makes them
+            spec = get_tp_spec(p)
+            if id(p) in materialized and spec is not None and spec.full_size is not None:
+                dim = spec.dim % p.dim()
+                step = p.size(dim)  # vocab-parallel: one padded block per rank (n_fused == 1)
+                real = min(max(spec.full_size - tp_rank * step, 0), step)
+                p.data.narrow(dim, real, step - real).zero_()
 
     # -- pipeline ----------------------------------------------------------------------------------------
     def _release_unheld_layers(self) -> None:
@@ -203,6 +301,32 @@ class _ParallelCausalLMLoss:
     def __call__(self, logits, labels, vocab_size=None, **kwargs):
         return self.fn(logits, labels, vocab_size=self.vocab_size, tp_group=self.group,
                        vocab_start=self.vocab_start, **kwargs)
+
+
+def _nullcontext():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def _native_view(module: nn.Module, parallel_types) -> nn.Module:
+    """The module as HF's `_init_weights` knows it: a tensor-parallel layer becomes a shell of its native class
+    (nn.Linear / transformers Conv1D / nn.Embedding) sharing its shard's parameters; others are returned as is."""
+    column, row, embedding = parallel_types
+    if isinstance(module, (column, row)):
+        native = nn.Linear
+        if module.is_conv1d:
+            from transformers.pytorch_utils import Conv1D
+            native = Conv1D
+        shell = native.__new__(native)
+        nn.Module.__init__(shell)
+        shell.weight, shell.bias = module.weight, module.bias
+        return shell
+    if isinstance(module, embedding):
+        shell = nn.Embedding.__new__(nn.Embedding)
+        nn.Module.__init__(shell)
+        shell.weight, shell.padding_idx = module.weight, module.local_padding_idx
+        return shell
+    return module
 
 
 def _parent_and_name(root: nn.Module, path: str):

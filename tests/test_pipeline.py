@@ -159,7 +159,24 @@ def test_pipeline_two_ranks(tmp_path):
 
 
 # -- 4 ranks: pp=4, and pp=2 × dp=2 ---------------------------------------------------------------------------------
+def _check_dataloader_shards_over_dp_only():
+    """prepare_dataloader: the stages of one replica see the same batches; replicas see disjoint ones."""
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=2)  # dp=2
+    dataset = [{"input_ids": torch.tensor([i])} for i in range(16)]
+    loader = plugin.prepare_dataloader(dataset, batch_size=4, shuffle=True, seed=3)
+    mine = torch.cat([b["input_ids"].flatten() for b in loader])
+    everyone = [torch.empty_like(mine) for _ in range(4)]
+    dist.all_gather(everyone, mine)
+    by_dp = {}
+    for rank, seen in enumerate(everyone):
+        by_dp.setdefault(rank // 2, []).append(seen)  # ranks (dp, pp): 0,1 -> dp 0; 2,3 -> dp 1
+    for seen in by_dp.values():
+        assert torch.equal(seen[0], seen[1])
+    assert sorted(torch.cat([by_dp[0][0], by_dp[1][0]]).tolist()) == list(range(16))
+
+
 def _four_ranks():
+    _check_dataloader_shards_over_dp_only()
     for kind in ("gpt2_lm", "llama_lm"):
         mu.check_training(kind, pp_size=4, num_microbatches=4)
         mu.check_training(kind, pp_size=2, num_microbatches=2)  # dp=2

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardformer.layer.spec import TPSpec, get_tp_spec, padded_size, shard_tensor
+from shardformer.layer.spec import TPSpec, gather_tensor, get_tp_spec, padded_size, shard_tensor
 
 from .parallel_module import HybridParallelModule, HybridParallelOptimizer
 
@@ -272,10 +272,8 @@ def _local_range(spec: TPSpec, size: int, rank: int, world: int) -> List[Tuple[i
     return out
 
 
-def _read_shard(sl, shape: Tuple[int, ...], spec: Optional[TPSpec], rank: int, world: int) -> torch.Tensor:
+def _read_shard(sl, shape: Tuple[int, ...], spec: TPSpec, rank: int, world: int) -> torch.Tensor:
     """This rank's shard of a checkpoint tensor, reading only its slices (`sl` is a safetensors slice)."""
-    if spec is None or world == 1 and spec.full_size is None:
-        return sl[tuple(slice(None) for _ in shape)] if shape else sl[()]
     dim = spec.dim % len(shape)
     parts = []
     for lo, hi, pad in _local_range(spec, shape[dim], rank, world):
@@ -451,7 +449,6 @@ class HybridParallelCheckpointIO:
                 spec = get_tp_spec(p)
                 if spec is not None:
                     if tp_group is not None:
-                        from shardformer.layer.spec import gather_tensor
                         t = gather_tensor(t, spec, tp_group)
                     elif spec.full_size is not None:
                         t = t.narrow(spec.dim % t.dim(), 0, spec.full_size)
@@ -633,21 +630,16 @@ class HybridParallelCheckpointIO:
         unwrapped = module.unwrap()
         tied = _tied_map(module)
         base_prefix = getattr(unwrapped, "base_model_prefix", "") or ""
-        if base_prefix and not any(n.startswith(base_prefix + ".") for n in module.full_params):
-            base_prefix = ""  # the boosted model is itself the base model: checkpoint keys may carry the prefix
-            key_prefix = getattr(unwrapped, "base_model_prefix", "")
-        else:
-            key_prefix = base_prefix
-        keys = {n: self._key_for(n, weight_map, tied, key_prefix) for n in module.full_params}
+        keys = {n: self._key_for(n, weight_map, tied, base_prefix) for n in module.full_params}
         missing = [n for n, k in keys.items() if k is None]
         if missing and strict:
-            raise KeyError(f"{directory}: the checkpoint has no tensor for {len(missing)} parameter(s) of the model: "
+            raise LookupError(f"{directory}: the checkpoint has no tensor for {len(missing)} parameter(s) of the model: "
                            f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
         if strict:
             used = set(keys.values())
             unexpected = [k for k in weight_map if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
             if unexpected:
-                raise KeyError(f"{directory}: the checkpoint has {len(unexpected)} tensor(s) the model does not: "
+                raise LookupError(f"{directory}: the checkpoint has {len(unexpected)} tensor(s) the model does not: "
                                f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} (use strict=False to skip)")
 
         tp_group = module.tp_group
@@ -664,7 +656,7 @@ class HybridParallelCheckpointIO:
             key = keys.get(name)
             if key is None:
                 if name not in module.full_params:
-                    raise KeyError(f"the boosted model holds {name!r}, which its unsharded layout does not know")
+                    raise LookupError(f"the boosted model holds {name!r}, which its unsharded layout does not know")
                 continue  # strict=False
             p = params[pid]
             path = os.path.join(directory, weight_map[key])
@@ -673,14 +665,16 @@ class HybridParallelCheckpointIO:
             try:
                 sl = handles[path].get_slice(key)
             except Exception as exc:
-                raise KeyError(f"{path}: cannot read tensor {key!r} ({exc})") from None
+                raise LookupError(f"{path}: cannot read tensor {key!r} ({exc})") from None
             shape = tuple(sl.get_shape())
             expected = tuple(module.full_params[name][0])
             if shape != expected:
                 raise ValueError(f"{path}: tensor {key!r} has shape {list(shape)}, but the model's {name!r} has "
                                  f"shape {list(expected)}")
             try:
-                local = _read_shard(sl, shape, get_tp_spec(p), tp_rank, tp_world)
+                spec = get_tp_spec(p)
+                local = handles[path].get_tensor(key) if spec is None else _read_shard(sl, shape, spec, tp_rank,
+                                                                                       tp_world)
             except Exception as exc:
                 raise ValueError(f"{path}: cannot read this rank's slice of tensor {key!r} ({exc})") from None
             if tuple(local.shape) != tuple(p.shape):
@@ -725,21 +719,20 @@ class HybridParallelCheckpointIO:
         layout = {"tp_size": plugin.tp_size, "pp_size": plugin.pp_size, "dp_size": plugin.dp_size}
         if plugin.dp_rank == 0:
             try:
-                masters = {id(m): p for p in module.unwrap().parameters()
-                           for m in [getattr(optimizer, "master_of", {}).get(id(p))] if m is not None}
+                master_ids = {id(m) for m in getattr(optimizer, "master_of", {}).values()}
                 entries, tensors, groups, scalars, info = [], [], [], {}, {}
                 for gi, group in enumerate(optim.param_groups):
                     group_names = []
                     for p in group["params"]:
                         if id(p) not in names:
-                            raise KeyError("the optimizer steps a parameter that is not in the boosted model")
+                            raise LookupError("the optimizer steps a parameter that is not in the boosted model")
                         name = names[id(p)]
                         group_names.append(name)
                         info[name] = {"shape": list(p.shape), "spec": _spec_json(get_tp_spec(p)),
                                       "full_shape": list(module.full_params[name][0]), "group": gi,
-                                      "tensors": [], "master": id(p) in masters}
+                                      "tensors": [], "master": id(p) in master_ids}
                         state = dict(optim.state.get(p, {}))
-                        if id(p) in masters:
+                        if id(p) in master_ids:
                             state["master"] = p.detach()  # the fp32 weights the optimizer steps
                         for key, value in state.items():
                             if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -854,7 +847,7 @@ class HybridParallelCheckpointIO:
             try:
                 return handles[path].get_tensor(key)
             except Exception as exc:
-                raise KeyError(f"{path}: cannot read tensor {key!r} ({exc})") from None
+                raise LookupError(f"{path}: cannot read tensor {key!r} ({exc})") from None
 
         new_state: Dict[nn.Parameter, Dict[str, Any]] = {}
         for group in optim.param_groups:
@@ -862,7 +855,7 @@ class HybridParallelCheckpointIO:
                 name = names[id(p)]
                 found = next((n for n in [name, *aliases.get(name, [])] if n in where), None)
                 if found is None:
-                    raise KeyError(f"{directory}: no optimizer state saved for parameter {name!r}")
+                    raise LookupError(f"{directory}: no optimizer state saved for parameter {name!r}")
                 holders = where[found]
                 meta = metas[holders[min(holders)]]
                 info = meta["params"][found]
@@ -929,7 +922,6 @@ class HybridParallelCheckpointIO:
                                  f"{type(lr_scheduler).__name__}")
             state = _from_json(saved["state_dict"])
         except Exception as exc:
-            error = self._describe(exc) if not isinstance(exc, (ValueError, KeyError)) or str(checkpoint) in str(exc) \
-                else f"{type(exc).__name__}: {checkpoint} is not a valid lr scheduler checkpoint ({exc})"
+            error = f"{checkpoint}: {self._describe(exc)}"
         self._agree(error, f"load_lr_scheduler({checkpoint!r})")
         lr_scheduler.load_state_dict(state)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2LMHeadModel
 
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin import checkpoint_io

@@ -1,0 +1,154 @@
+"""Lazy init: peak host memory of one rank of a 7B-class Llama (bf16) sharded tp=2 x pp=4, versus its shard.
+
+8 gloo ranks (one process each) build the model on the meta device (no memory) and shard it with the plugin's own
+mesh, groups and Sharder. Only the two tp ranks of the measured stages materialize (`Sharder._materialize`, the
+step `HybridParallelPlugin.configure` runs: allocate this rank's shard, HF `_init_weights` on it, broadcast
+replicated tensors over tp); the others stay on meta, so the machine never holds more than those shards. Each
+measured rank reports its peak RSS (VmHWM, and ru_maxrss) minus its RSS after imports and process-group setup,
+against the bytes of its shard. Target: <= 1.3x.
+
+    python benchmarks/bench_lazy_init.py [--stages 0 3]
+
+Not a test. Writes benchmarks/results/lazy_init.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TP, PP = 2, 4
+CONFIG = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+              num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _worker(rank: int, world: int, port: int, stages, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from booster_plugin import HybridParallelPlugin
+    from shardformer.policies import get_autopolicy
+    from shardformer.sharder import ShardConfig, Sharder
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        plugin = HybridParallelPlugin(tp_size=TP, pp_size=PP, num_microbatches=PP, precision="bf16")
+        stage, tp_rank = plugin.stage_manager.stage, plugin.tp_rank
+        measured = stage in stages
+        baseline_kb = _status_kb("VmRSS")
+        baseline_maxrss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+        t0 = time.perf_counter()
+        config = LlamaConfig(**CONFIG)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        model.to(torch.bfloat16)  # free on meta
+        full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # what configure() does up to materialization, with the plugin's own groups
+        shard_config = ShardConfig(tensor_parallel_process_group=plugin.tp_group,
+                                   pipeline_stage_manager=plugin.stage_manager,
+                                   make_vocab_size_divisible_by=plugin.make_vocab_size_divisible_by)
+        sharder = Sharder(model, get_autopolicy(model), shard_config)
+        sharder.shard()
+        t_shard = time.perf_counter() - t0
+        dist.barrier()
+        result = None
+        if measured:  # both tp ranks of the stage (they broadcast replicated tensors to each other)
+            t1 = time.perf_counter()
+            shard_bytes = sharder._materialize(plugin.device)
+            t_mat = time.perf_counter() - t1
+            assert not any(p.is_meta for p in model.parameters())
+            param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            peak_kb = _status_kb("VmHWM")
+            maxrss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            result = {
+                "rank": rank, "stage": stage, "tp_rank": tp_rank,
+                "layers": sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if ".layers." in n}),
+                "shard_bytes": shard_bytes, "shard_param_bytes": param_bytes, "full_model_bytes": full_bytes,
+                "baseline_rss_bytes": baseline_kb * 1024,
+                "peak_minus_baseline_bytes": (peak_kb - baseline_kb) * 1024,
+                "ru_maxrss_minus_baseline_bytes": (maxrss_kb - baseline_maxrss_kb) * 1024,
+                "ratio_vmhwm": (peak_kb - baseline_kb) * 1024 / shard_bytes,
+                "ratio_ru_maxrss": (maxrss_kb - baseline_maxrss_kb) * 1024 / shard_bytes,
+                "shard_seconds": round(t_shard, 2), "materialize_init_seconds": round(t_mat, 2),
+            }
+            queue.put(result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, PP - 1],
+                        help="pipeline stages whose ranks materialize and are measured (default: first and last)")
+    args = parser.parse_args()
+    world = TP * PP
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, tuple(args.stages), queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    rows = []
+    while not queue.empty():
+        rows.append(queue.get())
+    rows.sort(key=lambda r: r["rank"])
+
+    gib = 1024 ** 3
+    print(f"Llama 7B-class (hidden 4096, 32 layers, vocab 32000), bf16, tp={TP} x pp={PP}; "
+          f"full model {rows[0]['full_model_bytes'] / gib:.2f} GiB")
+    header = (f"{'rank':>4} {'stage':>5} {'tp':>2} {'layers':>8} {'shard GiB':>9} {'peak-base GiB':>13} "
+              f"{'ratio':>6} {'ru_maxrss ratio':>15} {'init s':>6}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        layers = f"{r['layers'][0]}-{r['layers'][-1]}"
+        print(f"{r['rank']:>4} {r['stage']:>5} {r['tp_rank']:>2} {layers:>8} {r['shard_bytes'] / gib:>9.3f} "
+              f"{r['peak_minus_baseline_bytes'] / gib:>13.3f} {r['ratio_vmhwm']:>6.3f} {r['ratio_ru_maxrss']:>15.3f} "
+              f"{r['materialize_init_seconds']:>6.1f}")
+    worst = max(r["ratio_vmhwm"] for r in rows)
+    print(f"worst peak / shard: {worst:.3f}x (target <= 1.3x): {'OK' if worst <= 1.3 else 'MISSED'}")
+    import torch
+    import transformers
+    out = {"benchmark": "lazy_init", "model": CONFIG, "dtype": "bfloat16", "tp_size": TP, "pp_size": PP,
+           "measured_stages": args.stages, "target_ratio": 1.3, "worst_ratio": worst, "ranks": rows,
+           "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
+                           "cpu_count": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}}
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    path = os.path.join(ROOT, "benchmarks", "results", "lazy_init.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
+import transformers
 from tqdm import tqdm
 
 from booster_plugin import Booster, HybridParallelPlugin
@@ -29,6 +31,7 @@ def get_parser(description: str, steps: int = 80, batch_size: int = 16, seq_len:
     p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping (0: off)")
     p.add_argument("--out", default=out, help="output folder (checkpoint, tokenizer)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--trace-dir", default=None, help="record the pipeline schedule and write its timeline here")
     return p
 
 
@@ -67,6 +70,9 @@ def seed_all(seed: int) -> None:
 def setup(args: argparse.Namespace) -> Tuple[Booster, HybridParallelPlugin]:
     """Process group, threads, seed and layout; returns (booster, plugin). Sets args.tp/pp/microbatches."""
     init_distributed()
+    if not is_main():  # one copy of transformers' load reports and warnings is enough
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # one thread per rank: the ranks share the CPU cores
     seed_all(args.seed)
@@ -77,7 +83,8 @@ def setup(args: argparse.Namespace) -> Tuple[Booster, HybridParallelPlugin]:
     if args.microbatches is None and args.pp > 1:
         args.microbatches = 4
     plugin = HybridParallelPlugin(tp_size=args.tp, pp_size=args.pp, num_microbatches=args.microbatches,
-                                  precision=args.precision, max_norm=args.max_norm, seed=args.seed)
+                                  precision=args.precision, max_norm=args.max_norm, seed=args.seed,
+                                  trace=True if args.trace_dir else None)  # None: HP_TRACE decides
     log(f"world {world}: tp={args.tp} pp={args.pp} dp={plugin.dp_size} microbatches={args.microbatches} "
         f"precision={args.precision}")
     return Booster(plugin=plugin), plugin
@@ -110,10 +117,10 @@ def train_step(booster, args, model, optimizer, criterion, batch) -> torch.Tenso
 
 
 def train(booster, plugin, args, model, optimizer, criterion, dataloader, lr_scheduler=None,
-          tokens_per_sample: Optional[int] = None, desc: str = "train") -> List[float]:
+          desc: str = "train") -> List[float]:
     """`args.steps` steps (cycling over epochs) with a progress bar on rank 0; returns the losses."""
     device = plugin.device
-    tokens_per_step = args.batch_size * (tokens_per_sample or args.seq_len) * plugin.dp_size
+    tokens_per_step = args.batch_size * args.seq_len * plugin.dp_size  # over all replicas
     losses: List[float] = []
     bar = tqdm(total=args.steps, desc=desc, disable=not is_main(), dynamic_ncols=True)
     model.train()
@@ -157,8 +164,6 @@ def evaluate_loss(booster, plugin, args, model, criterion, dataloader, max_batch
 
 def warmup_cosine(optimizer, steps: int, warmup: int = 10) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up then cosine decay to 10% of the peak learning rate."""
-    import math
-
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
@@ -180,7 +185,7 @@ def save_checkpoint(booster, model, path: str) -> bool:
 
 
 def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 30) -> None:
-    """Rank 0 reloads the saved folder with plain transformers and greedily continues `prompt`."""
+    """Rank 0 reloads the saved folder with plain transformers and continues `prompt` (top-k sampling)."""
     if not is_main():
         return
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -188,14 +193,23 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 30) -
     model = AutoModelForCausalLM.from_pretrained(path).float().eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     inputs = tokenizer(prompt, return_tensors="pt")
+    torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, repetition_penalty=1.3)
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, top_k=20, temperature=0.8,
+                             pad_token_id=tokenizer.pad_token_id)
     print(f"--- generated from {path} ---\n{tokenizer.decode(out[0], skip_special_tokens=True)}\n---", flush=True)
 
 
-def finish(args, booster, model, tokenizer, losses: List[float], started: float, prompt: str) -> None:
-    """Report first/last loss, save the checkpoint (with the tokenizer) and generate from it on rank 0."""
+def write_trace(args, plugin) -> None:
+    """With --trace-dir: write the recorded schedule (trace.json, timeline.png, bubble.json); collective."""
+    if args.trace_dir and uses_pipeline(args):
+        bubble = plugin.write_trace(args.trace_dir)
+        log(f"schedule trace written to {args.trace_dir}: {bubble}")
+
+
+def finish(args, booster, plugin, model, tokenizer, losses: List[float], started: float, prompt: str) -> None:
+    """Report first/last loss, write the trace, save the checkpoint (with the tokenizer), generate on rank 0."""
+    write_trace(args, plugin)
     k = min(5, len(losses))
     log(f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f} (mean of first {k}: {sum(losses[:k]) / k:.4f}, "
         f"last {k}: {sum(losses[-k:]) / k:.4f}); {len(losses)} steps in {time.perf_counter() - started:.1f}s")

@@ -18,9 +18,14 @@ from transformers import PreTrainedTokenizerFast
 EOS, PAD = "<|endoftext|>", "<pad>"
 
 
+def unwrap_lines(text: str) -> str:
+    """Join the hard-wrapped lines of a paragraph (indented code lines and blank lines are kept)."""
+    return re.sub(r"(?<=\S)\n(?=[^\s*=-])", " ", text)
+
+
 def load_corpus(val_every: int = 10) -> Tuple[List[str], List[str]]:
     """The pydoc topics (Python's reference docs, ~465k characters): every `val_every`-th topic is validation."""
-    docs = [topics[k] for k in sorted(topics)]
+    docs = [unwrap_lines(topics[k]) for k in sorted(topics)]
     train = [d for i, d in enumerate(docs) if i % val_every]
     val = [d for i, d in enumerate(docs) if i % val_every == 0]
     return train, val
@@ -93,10 +98,10 @@ def prose_sentences() -> List[str]:
     return sentences
 
 
-def code_lines(max_files: int = 200) -> List[str]:
-    """Non-blank, non-docstring lines of the standard library's own Python source files."""
+def code_lines(max_files: int = 40) -> List[str]:
+    """Non-blank, non-docstring lines of (every fourth of) the standard library's own Python source files."""
     stdlib = sysconfig.get_paths()["stdlib"]
-    files = sorted(f for f in os.listdir(stdlib) if f.endswith(".py"))[:max_files]
+    files = sorted(f for f in os.listdir(stdlib) if f.endswith(".py"))[::4][:max_files]
     lines = []
     for name in files:
         with open(os.path.join(stdlib, name), encoding="utf-8", errors="ignore") as f:

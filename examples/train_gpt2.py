@@ -41,7 +41,7 @@ def main() -> None:
     log(f"validation loss before: {evaluate_loss(booster, plugin, args, model, criterion, val_loader):.4f}")
     losses = train(booster, plugin, args, model, optimizer, criterion, train_loader, lr_scheduler)
     log(f"validation loss after:  {evaluate_loss(booster, plugin, args, model, criterion, val_loader):.4f}")
-    finish(args, booster, model, tokenizer, losses, started, prompt="The \"if\" statement is used for")
+    finish(args, booster, plugin, model, tokenizer, losses, started, prompt="The \"if\" statement is used for")
 
 
 if __name__ == "__main__":

@@ -30,16 +30,17 @@ HIDDEN, LAYERS, HEADS, VOCAB, SEQ, BATCH, INTERMEDIATE = 256, 8, 4, 1024, 128, 8
 
 
 # -- process group ------------------------------------------------------------------------------------------------
-def init_dist(timeout_s: float = 120.0) -> int:
-    """gloo from torchrun's environment, one intra-op thread; collectives give up after `timeout_s`."""
+def init_dist(timeout_s: float = 120.0, world_size: Optional[int] = 2) -> int:
+    """gloo from torchrun's environment, one intra-op thread; collectives give up after `timeout_s`.
+    `world_size`: the number of ranks the script needs (None: any)."""
     if "RANK" not in os.environ:
-        raise SystemExit("Launch with: torchrun --nproc_per_node=2 " + " ".join(sys.argv))
+        raise SystemExit(f"Launch with: torchrun --nproc_per_node={world_size or 2} " + " ".join(sys.argv))
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    if dist.get_world_size() != 2:
-        raise SystemExit("These benchmarks run on exactly 2 ranks: torchrun --nproc_per_node=2 ...")
+    if world_size is not None and dist.get_world_size() != world_size:
+        raise SystemExit(f"This benchmark runs on exactly {world_size} ranks: torchrun --nproc_per_node={world_size} ...")
     return dist.get_rank()
 
 
@@ -109,21 +110,51 @@ def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
     return median([a / b for a, b in zip(num, den)])
 
 
+def compare(a: Sequence[float], b: Sequence[float], a_name: str, b_name: str) -> Dict[str, Any]:
+    """Which of two interleaved time series is faster. Decided only when the paired median ratio and the ratio of
+    minima (the least-disturbed runs) agree; otherwise 'inconclusive' (a busy machine can flip a median)."""
+    paired, mins = paired_ratio(a, b), min(a) / min(b)
+    wins = sum(x < y for x, y in zip(a, b))
+    if paired < 1 and mins < 1:
+        faster = a_name
+    elif paired > 1 and mins > 1:
+        faster = b_name
+    else:
+        faster = "inconclusive"
+    text = (f"{faster if faster == 'inconclusive' else faster + ' is faster'}: {a_name}/{b_name} time = "
+            f"{paired:.3f} (paired median), {mins:.3f} (ratio of minima); {a_name} faster in {wins} of {len(a)} rounds")
+    return {"faster": faster, "paired_ratio": paired, "min_ratio": mins, "rounds_a_faster": wins, "rounds": len(a),
+            "a": a_name, "b": b_name, "text": text}
+
+
 def rotated(names: List[str], round_index: int) -> List[str]:
     """The variants in a different order every round, so no variant always runs first (or right after another)."""
     k = round_index % len(names)
     return names[k:] + names[:k]
 
 
-def sync_time(fn: Callable[[], Any]) -> float:
-    """Seconds for `fn` on all ranks: barrier, run, barrier. Every rank gets rank 0's number."""
+def sync_time(fn: Callable[[], Any], cpu: Optional[List[float]] = None) -> float:
+    """Seconds for `fn` on all ranks: barrier, run, barrier. Every rank gets rank 0's number.
+
+    With `cpu`, also appends this process's CPU seconds for the same span (all its threads). CPU time leaves out
+    waiting (pipeline bubbles, being descheduled by other work on a busy machine), so it is far less noisy than
+    wall time here and shows per-step overhead; it is not what a user waits for."""
     dist.barrier()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     fn()
     dist.barrier()
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
     dist.broadcast(elapsed, src=0)
     return float(elapsed.item())
+
+
+def gather_per_rank(local: Any) -> List[Any]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, local)
+    return out
 
 
 # -- output -------------------------------------------------------------------------------------------------------
@@ -144,31 +175,52 @@ def write_results(name: str, results: Dict[str, Any]) -> str:
 
 
 # -- the benchmark model and data ---------------------------------------------------------------------------------
-def llama_config():
+def llama_config(**overrides):
+    """The benchmark Llama's config; keyword arguments override LlamaConfig fields (e.g. num_key_value_heads)."""
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-                       num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
-                       tie_word_embeddings=False, pad_token_id=0, attention_dropout=0.0)
+    kwargs = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
+                  tie_word_embeddings=False, pad_token_id=0, attention_dropout=0.0)
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
 
 
-def build_llama(seed: int = 0):
+def build_llama(seed: int = 0, **overrides):
     """Same weights on every rank and for every variant (deepcopy the result for each)."""
     from transformers import LlamaForCausalLM
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(llama_config())
+    model = LlamaForCausalLM(llama_config(**overrides))
     model.train()
     return model
 
 
-def make_batches(n: int, seed: int = 1234) -> List[Dict[str, torch.Tensor]]:
-    """`n` batches of (BATCH, SEQ) token ids, no padding; labels = input_ids (HF shifts them for the causal loss)."""
+def make_batches(n: int, seed: int = 1234, batch: int = BATCH, seq: int = SEQ,
+                 vocab: int = VOCAB) -> List[Dict[str, torch.Tensor]]:
+    """`n` batches of (batch, seq) token ids, no padding; labels = input_ids (HF shifts them for the causal loss)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+        ids = torch.randint(1, vocab, (batch, seq), generator=g)
         out.append({"input_ids": ids, "labels": ids.clone()})
     return out
 
 
 def hf_criterion(outputs, batch) -> torch.Tensor:
     return outputs.loss
+
+
+# -- drivers: one command that runs a benchmark at several world sizes ----------------------------------------------
+def launch(script: str, nproc: int, args: Sequence[str] = (), timeout_s: float = 600.0) -> int:
+    """Run `torchrun --nproc_per_node=nproc script args` (a fresh process group of that size) and wait for it."""
+    import subprocess
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(_free_port()), script, *args]
+    print("$ " + " ".join(["torchrun", *cmd[3:]]), flush=True)
+    return subprocess.run(cmd, timeout=timeout_s).returncode
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,264 @@
+"""Per-rank memory of HybridParallelPlugin layouts, against the ideal split of the unsharded figures (counts, no timing).
+
+Model: Llama hidden 512, 8 layers, 8 heads (8 kv), ffn 1536, vocab 8192 (untied), seq 128, global batch 8, fp32,
+AdamW. Layouts (tp, pp, dp): (1,1,1), (2,1,1), (1,2,1), (2,2,1), (1,1,2); pp layouts use 1F1B with m=4
+microbatches; dp ranks get 8/dp samples each (as prepare_dataloader would). (1,1,1) also runs with m=4 gradient
+accumulation (pp_size=1, num_microbatches=4: one microbatch at a time), the reference for pipelined activations.
+HybridParallelPlugin uses the whole world, so there is one torchrun per world size (1, 2, 4).
+
+Per rank, one training step:
+  parameters   bytes of this rank's (unique) parameters after boosting;
+  gradients    bytes of .grad after forward+backward (before optimizer.step);
+  optimizer    bytes of the tensors in the optimizer's state after its first step (AdamW: exp_avg, exp_avg_sq,
+               step);
+  activations  peak of the bytes autograd keeps saved for backward, measured with
+               torch.autograd.graph.saved_tensors_hooks around the whole forward/backward: every saved tensor is
+               tracked by its storage (counted once however many views are saved; parameter storages excluded)
+               from pack until autograd releases it, and the peak of the live sum is reported. This is the
+               activation memory a training step holds for backward; it leaves out short-lived temporaries
+               (allocator peaks inside one op), which torch.profiler(profile_memory=True) would include but on CPU
+               only as an allocation trace.
+Ideal: parameters, gradients and optimizer state = unsharded / (tp*pp) (dp replicates them; zero_stage=0);
+activations = unsharded / (tp*pp*dp) for the whole batch, and for 1F1B = the m=4 reference (one microbatch of the
+whole model) * in-flight microbatches on the stage (min(pp - stage, m)) / (tp*pp).
+
+Run:  python benchmarks/bench_memory.py        (launches torchrun --nproc_per_node=1, 2 and 4)
+Writes benchmarks/results/bench_memory.json.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import tempfile
+import time
+
+import _common as C  # sets OMP_NUM_THREADS before torch loads
+import torch
+import torch.distributed as dist
+
+NAME = "bench_memory"
+MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+             intermediate_size=1536, vocab_size=8192)
+SEQ, BATCH, M = 128, 8, 4
+# world size -> [(label, tp, pp, dp, num_microbatches)]
+LAYOUTS = {1: [("(1,1,1)", 1, 1, 1, None), ("(1,1,1) m=4 accumulation", 1, 1, 1, M)],
+           2: [("(2,1,1)", 2, 1, 1, None), ("(1,2,1) m=4", 1, 2, 1, M), ("(1,1,2)", 1, 1, 2, None)],
+           4: [("(2,2,1) m=4", 2, 2, 1, M)]}
+HERE = os.path.abspath(__file__)
+MiB = 2 ** 20
+
+
+class SavedTensorMeter:
+    """Live and peak bytes of the storages autograd holds for backward (saved_tensors_hooks)."""
+
+    def __init__(self, exclude_storages) -> None:
+        self.exclude = set(exclude_storages)
+        self.live = {}  # storage ptr -> [handles alive, nbytes]
+        self.current = self.peak = self.packed = 0
+        self.where = None  # callable -> the module path running now (attribution), or None
+        self.by_module = {}  # module path (layer index -> *) -> bytes of the storages first saved there
+
+    class _Handle:
+        __slots__ = ("meter", "key", "tensor")
+
+        def __del__(self):
+            self.meter._release(self.key)
+
+    def pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.exclude or storage.nbytes() == 0:
+            return t.detach()
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [0, storage.nbytes()]
+            self.current += entry[1]
+            self.peak = max(self.peak, self.current)
+            if self.where is not None:
+                kind = self.where()
+                self.by_module[kind] = self.by_module.get(kind, 0) + entry[1]
+        entry[0] += 1
+        self.packed += 1
+        h = SavedTensorMeter._Handle()
+        h.meter, h.key, h.tensor = self, key, t.detach()  # detached alias: no reference cycle through grad_fn
+        return h
+
+    @staticmethod
+    def unpack(h):
+        return h.tensor if isinstance(h, SavedTensorMeter._Handle) else h
+
+    def _release(self, key) -> None:
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[key]
+
+
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def measure(label, tp, pp, dp, m, reference, batch):
+    from booster_plugin import Booster, HybridParallelPlugin
+    plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=m)
+    assert plugin.dp_size == dp, (label, plugin.dp_size)
+    booster = Booster(plugin=plugin)
+    model = copy.deepcopy(reference)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, *_ = booster.boost(model, opt)
+    params = list(model.unwrap().parameters())
+    per = BATCH // dp
+    local = {k: v[plugin.dp_rank * per:(plugin.dp_rank + 1) * per] for k, v in batch.items()}
+    meter = SavedTensorMeter(p.untyped_storage().data_ptr() for p in params)
+    handles = []
+    if m is None:  # attribute saved bytes to the module whose forward saved them (not with a pipeline's early exit)
+        import re
+        from torch.nn.modules import module as nn_module
+        names = {id(mod): re.sub(r"\.\d+\.", ".*.", name) or "(model: loss)"
+                 for name, mod in model.unwrap().named_modules()}
+        stack = []
+        handles = [nn_module.register_module_forward_pre_hook(lambda mod, a: stack.append(names.get(id(mod)))),
+                   nn_module.register_module_forward_hook(lambda mod, a, o: stack.pop() and None)]
+        meter.where = lambda: next((n for n in reversed(stack) if n is not None), "(outside modules)")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            if m is not None:
+                booster.execute_pipeline(iter([local]), model, C.hf_criterion, opt, return_loss=True)
+            else:
+                booster.backward(model(**local).loss, opt)
+    finally:
+        for h in handles:
+            h.remove()
+    leaked = meter.current  # should be 0: everything saved was released by backward
+    grads = _bytes(p.grad for p in params)
+    opt.step()
+    state = _bytes(t for s in opt.optim.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    opt.zero_grad()
+    sm = plugin.stage_manager
+    inflight = min(pp - sm.stage, m) if m is not None and pp > 1 else 1
+    out = {"stage": sm.stage, "tp_rank": plugin.tp_rank, "dp_rank": plugin.dp_rank, "params": _bytes(params),
+           "grads": grads, "optimizer": state, "activations_peak": meter.peak, "saved_left_after_backward": leaked,
+           "saved_tensors_packed": meter.packed, "inflight_microbatches": inflight,
+           "peak_inflight_reported_by_schedule": getattr(plugin.schedule, "peak_inflight_microbatches", None),
+           "batch_per_rank": per, "saved_bytes_by_module": meter.by_module}
+    del model, opt, booster, plugin
+    return out
+
+
+def worker(out_path: str) -> None:
+    rank = C.init_dist(world_size=None)
+    world = dist.get_world_size()
+    reference = C.build_llama(seed=0, max_position_embeddings=SEQ, **MODEL)
+    batch = C.make_batches(1, batch=BATCH, seq=SEQ, vocab=MODEL["vocab_size"])[0]
+    results = {}
+    for label, tp, pp, dp, m in LAYOUTS[world]:
+        t0 = time.perf_counter()
+        local = measure(label, tp, pp, dp, m, reference, batch)
+        results[label] = {"tp": tp, "pp": pp, "dp": dp, "microbatches": m or 1, "world": world,
+                          "per_rank": C.gather_per_rank(local), "seconds": time.perf_counter() - t0}
+        if rank == 0:
+            print(f"[world {world}] {label}: {results[label]['seconds']:.0f} s", flush=True)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=2)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(res, t_start: float) -> None:
+    ref = res["(1,1,1)"]["per_rank"][0]
+    ref_mb = res["(1,1,1) m=4 accumulation"]["per_rank"][0]["activations_peak"]
+    fmt = lambda b, ideal: f"{b / MiB:.1f} ({b / ideal:.2f})" if ideal else f"{b / MiB:.1f}"
+    rows, excess = [], []
+    for label, r in res.items():
+        tp, pp, dp, m = r["tp"], r["pp"], r["dp"], r["microbatches"]
+        for i, pr in enumerate(r["per_rank"]):
+            ideal = {k: ref[k] / (tp * pp) for k in ("params", "grads", "optimizer")}
+            if label.startswith("(1,1,1)"):
+                ideal_act = ref["activations_peak"] if m == 1 else ref_mb
+            elif pp > 1 or m > 1:
+                ideal_act = ref_mb * pr["inflight_microbatches"] / (tp * pp)
+            else:
+                ideal_act = ref["activations_peak"] / (tp * pp * dp)
+            pr["ideal"] = {**ideal, "activations_peak": ideal_act}
+            total = sum(pr[k] for k in ("params", "grads", "optimizer", "activations_peak"))
+            ideal_total = sum(pr["ideal"].values())
+            pr["total"], pr["ideal_total"] = total, ideal_total
+            rows.append([label, f"r{i} s{pr['stage']} t{pr['tp_rank']} d{pr['dp_rank']}",
+                         fmt(pr["params"], ideal["params"]), fmt(pr["grads"], ideal["grads"]),
+                         fmt(pr["optimizer"], ideal["optimizer"]),
+                         f"{pr['activations_peak'] / MiB:.1f} / {ideal_act / MiB:.1f} ({pr['activations_peak'] / ideal_act:.2f})",
+                         f"{pr['activations_peak'] / ref['activations_peak']:.3f}",
+                         f"{total / MiB:.1f} ({total / ideal_total:.2f})",
+                         f"{total / (ref['params'] + ref['grads'] + ref['optimizer'] + ref['activations_peak']):.3f}"])
+            for k in ("params", "grads", "optimizer", "activations_peak"):
+                if pr[k] > 1.05 * pr["ideal"][k] and not label.startswith("(1,1,1)"):
+                    excess.append(f"{label} rank {i} (stage {pr['stage']}): {k} {pr[k] / MiB:.1f} MiB = "
+                                  f"{pr[k] / pr['ideal'][k]:.2f} x ideal {pr['ideal'][k] / MiB:.1f} MiB")
+            if pr["saved_left_after_backward"]:
+                excess.append(f"{label} rank {i}: {pr['saved_left_after_backward'] / MiB:.1f} MiB of saved tensors "
+                              f"still alive after the step")
+    cfg = MODEL
+    print(f"\nPer-rank memory, one training step; Llama h{cfg['hidden_size']} L{cfg['num_hidden_layers']} "
+          f"ffn {cfg['intermediate_size']} vocab {cfg['vocab_size']} (untied), seq {SEQ}, global batch {BATCH}, "
+          f"fp32, AdamW")
+    print("MiB (measured / ideal); activations = peak of saved-for-backward tensors; ideal as in the file header")
+    print(C.table(["layout (tp,pp,dp)", "rank", "params", "grads", "optimizer", "activations / ideal",
+                   "act / unsharded", "total (x ideal)", "total / unsharded"], rows))
+    print("\nAbove ideal by more than 5%: " + ("none" if not excess else ""))
+    for e in excess:
+        print("  - " + e)
+    # which activations tensor parallelism does not split: saved bytes by module, unsharded vs tp=2 (per rank)
+    a, b = res["(1,1,1)"]["per_rank"][0]["saved_bytes_by_module"], res["(2,1,1)"]["per_rank"][0]["saved_bytes_by_module"]
+    kinds = sorted(set(a) | set(b), key=lambda k: -a.get(k, 0))
+    rows = [[k, f"{a.get(k, 0) / MiB:.1f}", f"{b.get(k, 0) / MiB:.1f}",
+             f"{b.get(k, 0) / a[k]:.2f}" if a.get(k) else "-"] for k in kinds if a.get(k, 0) + b.get(k, 0) >= MiB / 2]
+    rows.append(["total", f"{sum(a.values()) / MiB:.1f}", f"{sum(b.values()) / MiB:.1f}",
+                 f"{sum(b.values()) / sum(a.values()):.2f}"])
+    print("\nSaved-for-backward bytes by the module that saved them (first save of a storage; all layers summed; "
+          "'*' = any layer): unsharded vs tp=2 rank 0; ratio 0.50 = split, 1.00 = replicated")
+    print(C.table(["module", "(1,1,1) MiB", "(2,1,1) MiB", "ratio"], rows))
+    out = {"benchmark": NAME, "model": {**MODEL, "seq": SEQ, "global_batch": BATCH, "dtype": "fp32",
+                                        "optimizer": "AdamW", "tie_word_embeddings": False, "microbatches_with_pp": M},
+           "method": "saved_tensors_hooks: peak live bytes of saved-for-backward storages (params excluded)",
+           "env": {"torch": torch.__version__, "backend": "gloo", "cpu_count": os.cpu_count(),
+                   "loadavg_at_end": C.loadavg()},
+           "layouts": res, "excess": excess, "total_s": time.perf_counter() - t_start}
+    print("wrote " + C.write_results(NAME, out))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", metavar="OUT_JSON", help="(internal) run the layouts of this world size")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    t_start = time.perf_counter()
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in sorted(LAYOUTS):
+            path = os.path.join(tmp, f"world{world}.json")
+            rc = C.launch(HERE, world, ["--worker", path], timeout_s=600)
+            if rc != 0 or not os.path.exists(path):
+                raise SystemExit(f"world {world} failed (exit code {rc})")
+            with open(path) as f:
+                res.update(json.load(f))
+    order = [label for w in sorted(LAYOUTS) for label, *_ in LAYOUTS[w]]
+    report({k: res[k] for k in order}, t_start)
+    print(f"total {time.perf_counter() - t_start:.0f} s, load average {C.loadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -224,31 +224,10 @@ def _tied_map(module: HybridParallelModule) -> Dict[str, str]:
 
 
 def _stage_of(module: HybridParallelModule, name: str) -> int:
-    """The first pipeline stage holding unsharded parameter `name`: `policy.stage_of_param`'s rule, with the layer
-    count taken from the unsharded layout (after sharding, the policy's own layer list holds this stage's only)."""
-    policy = module.policy
-    sm = policy.stage_manager
-    if module.pp_group is None or sm is None:
+    """The first pipeline stage holding unsharded parameter `name` (its copy is the one saved)."""
+    if module.pp_group is None or module.policy.stage_manager is None:
         return 0
-    prefix = policy.base_prefix
-    layers = prefix + policy.layers + "."
-    split = getattr(module, "_checkpoint_layer_split", None)
-    if split is None:
-        indices = {int(n[len(layers):].split(".")[0]) for n in module.full_params if n.startswith(layers)}
-        split = sm.layers_per_virtual_stage(max(indices) + 1 if indices else 0)
-        module._checkpoint_layer_split = split
-    if name.startswith(layers):
-        index, bound = int(name[len(layers):].split(".")[0]), 0
-        for stage, count in enumerate(split):
-            bound += count
-            if index < bound:
-                return stage % sm.num_stages
-        raise ValueError(f"layer index of {name!r} is beyond the model's {sum(split)} layers")
-    if any(name.startswith(prefix + e + ".") for e in policy.entry):
-        return 0
-    if any(name.startswith(prefix + e + ".") for e in policy.exit) or not name.startswith(prefix):
-        return sm.num_stages - 1
-    return 0  # used by every stage: stage 0's copy is the one saved
+    return module.policy.stage_of_param(name)[0]
 
 
 def _local_range(spec: TPSpec, size: int, rank: int, world: int) -> List[Tuple[int, int, int]]:

@@ -225,6 +225,7 @@ class Sharder:
                 padded = padded_size(module.out_features, tp, multiple)
                 new = vocab_parallel_lm_head(module, group, gather_output=gather, padded_vocab=padded)
                 if not gather:  # the model's own loss must then be the vocab-parallel cross-entropy
+                    new.gather_output_in_eval = True
                     start = new.output_start
                     vocab = module.out_features
                     self.model.loss_function = _ParallelCausalLMLoss(parallel_causal_lm_loss, group, start, vocab)
@@ -299,6 +300,9 @@ class _ParallelCausalLMLoss:
         self.fn, self.group, self.vocab_start, self.vocab_size = fn, group, vocab_start, vocab_size
 
     def __call__(self, logits, labels, vocab_size=None, **kwargs):
+        if logits.shape[-1] == self.vocab_size:  # eval mode: the head gathered the full logits
+            from transformers.loss.loss_utils import ForCausalLMLoss
+            return ForCausalLMLoss(logits, labels, vocab_size=self.vocab_size, **kwargs)
         return self.fn(logits, labels, vocab_size=self.vocab_size, tp_group=self.group,
                        vocab_start=self.vocab_start, **kwargs)
 

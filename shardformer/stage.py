@@ -35,30 +35,31 @@ def _zeros_like_lookup(args, kwargs, hidden_size: int, dtype: torch.dtype) -> to
     return torch.zeros(*ids.shape, hidden_size, dtype=dtype, device=ids.device)
 
 
-class StageInput(nn.Module):
-    """Stands in for the embedding on a non-first stage: its first call returns the received hidden states."""
-
-    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.hidden_size, self.dtype = hidden_size, dtype
-        self.value: Optional[torch.Tensor] = None
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        value, self.value = self.value, None
-        if value is None:  # a second lookup (e.g. GPT-2 token types): its contribution came with the hidden states
-            return _zeros_like_lookup(args, kwargs, self.hidden_size, self.dtype)
-        return value
-
-
 class ZeroEmbedding(nn.Module):
     """Stands in for an additive entry module (e.g. position embeddings) whose output the previous stage added."""
 
     def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.hidden_size, self.dtype = hidden_size, dtype
+        self.hidden_size = hidden_size
+        # an empty buffer, so that model.to(dtype) also changes the dtype of the zeros this module returns
+        self.register_buffer("dtype_ref", torch.empty(0, dtype=dtype), persistent=False)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        return _zeros_like_lookup(args, kwargs, self.hidden_size, self.dtype)
+        return _zeros_like_lookup(args, kwargs, self.hidden_size, self.dtype_ref.dtype)
+
+
+class StageInput(ZeroEmbedding):
+    """Stands in for the embedding on a non-first stage: its first call returns the received hidden states."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__(hidden_size, dtype)
+        self.value: Optional[torch.Tensor] = None
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        value, self.value = self.value, None
+        if value is None:  # a second lookup (e.g. GPT-2 token types): its contribution came with the hidden states
+            return super().forward(*args, **kwargs)
+        return value
 
 
 class Released(nn.Module):

@@ -38,6 +38,7 @@ def _two_ranks():
     mu.check_training("llama_lm", tp_size=2, parallel_output=False)  # gathered, unpadded logits and HF's own loss
     mu.check_evaluation("gpt2_lm", tp_size=2, num_microbatches=1, parallel_output=False)
     _check_dropout_keeps_replicas_identical()
+    _check_generation_matches()
     _check_pretrained_minilm()
 
 
@@ -54,6 +55,22 @@ def _check_dropout_keeps_replicas_identical():
     dist.all_gather(parts, hidden)
     torch.testing.assert_close(parts[0], parts[1], rtol=0, atol=0)
     assert not torch.equal(hidden, model(**mu.make_batch("gpt2", 4, 0)).last_hidden_state.detach()), "dropout is off"
+
+
+def _check_generation_matches():
+    """Eval mode gathers the vocab-parallel logits (padding stripped): greedy generation equals the unsharded one."""
+    for kind in ("gpt2_lm", "llama_lm"):
+        reference = mu.build(kind).eval()
+        model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(copy.deepcopy(reference))
+        model.eval()
+        prompt = mu.make_batch(kind, 2, 5)["input_ids"][:, :4]
+        kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            expected = reference.generate(prompt, **kwargs)
+            actual = model.unwrap().generate(prompt, **kwargs)
+            logits = model(input_ids=prompt).logits
+        assert logits.shape[-1] == mu.VOCAB
+        assert torch.equal(actual, expected), (actual, expected)
 
 
 def _check_pretrained_minilm():

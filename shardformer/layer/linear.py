@@ -75,6 +75,8 @@ class ColumnParallelLinear(nn.Module):
         self.padded_out_features = padded
         self.out_features = padded // self.tp_size
         self.gather_output = gather_output
+        # a vocab-parallel LM head gathers (unpadded) logits in eval mode, for evaluation and generation
+        self.gather_output_in_eval = False
         self.is_conv1d = is_conv1d
         self.n_fused = n_fused
         # True when the enclosing module already entered the TP region (copy_to_tp of the shared input), so
@@ -132,7 +134,7 @@ class ColumnParallelLinear(nn.Module):
             x = copy_to_tp(x, self.tp_group)
         weight = self.weight.t() if self.is_conv1d else self.weight
         out = F.linear(x, weight, self.bias)
-        if not self.gather_output:
+        if not (self.gather_output or (self.gather_output_in_eval and not self.training)):
             return out
         out = gather_from_tp(out, -1, self.tp_group)
         if self.n_fused > 1 and self.tp_size > 1:

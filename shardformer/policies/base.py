@@ -66,6 +66,7 @@ class Policy:
     # -- ColossalAI-style setters ---------------------------------------------------------------------------
     def set_model(self, model: nn.Module) -> None:
         self.model = model
+        self._num_layers = None
 
     def set_pipeline_stage_manager(self, stage_manager) -> None:
         self.stage_manager = stage_manager
@@ -89,7 +90,10 @@ class Policy:
         return self.model.get_submodule(self.base_prefix + self.layers)
 
     def num_layers(self) -> int:
-        return len(self.layer_list())
+        """Layers of the unsharded model (remembered: after sharding the list holds this stage's only)."""
+        if getattr(self, "_num_layers", None) is None:
+            self._num_layers = len(self.layer_list())
+        return self._num_layers
 
     def layers_per_stage(self) -> List[int]:
         return self.stage_manager.layers_per_virtual_stage(self.num_layers())

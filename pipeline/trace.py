@@ -69,20 +69,32 @@ class ScheduleTracer:
         return summary
 
 
+def last_training_step(per_rank: List[torch.Tensor]) -> int:
+    """The last step with backward passes (evaluation steps run forwards only); else the last step."""
+    rows = torch.cat([r for r in per_rank if r.numel()] or [torch.zeros(0, 6, dtype=torch.float64)])
+    if rows.numel() == 0:
+        return 0
+    training = rows[rows[:, 0] == KINDS.index("backward")]
+    return int((training if training.numel() else rows)[:, 4].max())
+
+
 def bubble_summary(per_rank: List[torch.Tensor], num_stages: int, num_microbatches: int) -> Dict[str, float]:
-    """Bubble of the last recorded step: 1 - compute time / step time, averaged over ranks."""
+    """Bubble of the last training step: 1 - compute time / pipeline time (first forward to last backward or
+    send, the optimizer step left out), averaged over ranks."""
     fractions = []
+    step = last_training_step(per_rank)
     for events in per_rank:
         if events.numel() == 0:
             continue
-        last = events[events[:, 4] == events[:, 4].max()]
+        last = events[(events[:, 4] == step) & (events[:, 0] != KINDS.index("optimizer"))]
         compute = last[(last[:, 0] == 0) | (last[:, 0] == 1)]
         span = last[:, 3].max() - last[:, 2].min()
         busy = (compute[:, 3] - compute[:, 2]).sum()
         fractions.append(float(1 - busy / span) if span > 0 else 0.0)
     p, m = num_stages, num_microbatches
     return {"measured_bubble": sum(fractions) / max(len(fractions), 1),
-            "theoretical_bubble": (p - 1) / (m + p - 1) if m else 0.0, "num_stages": p, "num_microbatches": m}
+            "theoretical_bubble": (p - 1) / (m + p - 1) if m else 0.0, "num_stages": p, "num_microbatches": m,
+            "step": step}
 
 
 def write_chrome_trace(per_rank: List[torch.Tensor], path: str) -> None:
@@ -107,8 +119,11 @@ def write_png(per_rank: List[torch.Tensor], path: str, summary: Dict[str, float]
     except ImportError:  # the PNG is optional; the JSON trace is always written
         return
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(per_rank) + 1.5))
+    step = last_training_step(per_rank)  # the picture shows the last two training steps
     for rank, rows in enumerate(per_rank):
-        for k, mb, s, e, _, _ in rows.tolist():
+        for k, mb, s, e, st, _ in rows.tolist():
+            if not step - 1 <= st <= step:
+                continue
             kind = KINDS[int(k)]
             ax.barh(rank, (e - s) * 1e3, left=s * 1e3, color=COLORS[kind], edgecolor="white", linewidth=0.3)
             if kind in ("forward", "backward") and (e - s) * 1e3 > 0.5:

@@ -1,6 +1,7 @@
 # Two commands for a newcomer: `make example` (train a small GPT-2 with pipeline parallel) and `make test`.
 PYTHON ?= python3
-NPROC ?= 2
+# one process per GPU where there are GPUs, else 2 CPU processes (the example picks tp/pp for the world size)
+NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && echo $$n || echo 2)
 
 .PHONY: install example test bench
 

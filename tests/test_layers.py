@@ -64,6 +64,12 @@ def _check_gathered_weights(par: nn.Module, ref: nn.Module, group) -> None:
         spec = get_tp_spec(p)
         full = p.detach() if spec is None else gather_tensor(p, spec, group)
         assert torch.equal(full, ref.get_parameter(name).detach()), name
+    if hasattr(par, "unsharded_state_dict"):  # the layer itself gives the native module's full state_dict
+        full = par.unsharded_state_dict()
+        native = ref.state_dict()
+        assert full.keys() == native.keys(), (full.keys(), native.keys())
+        for name, tensor in native.items():
+            assert torch.equal(full[name], tensor), name
 
 
 def _all_equal_across(t: torch.Tensor, group) -> bool:

@@ -8,12 +8,12 @@ from torch.distributed import ProcessGroup
 
 from .comm import get_tp_rank, get_tp_world_size, reduce_from_tp
 from .linear import ColumnParallelLinear
-from .spec import TPSpec, get_tp_spec, padded_size, set_tp_spec, shard_parameter
+from .spec import UnshardedStateDict, TPSpec, get_tp_spec, padded_size, set_tp_spec, shard_parameter
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_lm_head"]
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(UnshardedStateDict, nn.Module):
     """Embedding whose vocabulary rows are split in contiguous blocks over the TP group.
 
     The vocab is padded with zero rows to a multiple of `make_vocab_size_divisible_by * tp_size`; each rank looks up

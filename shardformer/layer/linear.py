@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from .comm import copy_to_tp, gather_from_tp, get_tp_rank, get_tp_world_size, reduce_from_tp, split_to_tp
-from .spec import TPSpec, get_tp_spec, set_tp_spec, shard_parameter
+from .spec import UnshardedStateDict, TPSpec, get_tp_spec, set_tp_spec, shard_parameter
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -39,7 +39,7 @@ def _load_native(layer: nn.Module, module: nn.Module, rank: int, world: int) -> 
             setattr(layer, name, shard_parameter(getattr(module, name), get_tp_spec(getattr(layer, name)), rank, world))
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(UnshardedStateDict, nn.Module):
     """Linear layer whose output features are split over the TP group; input gradient is all-reduced.
 
     With `n_fused` > 1 the output is made of equal fused areas (e.g. q, k, v) and each area is split separately.
@@ -152,7 +152,7 @@ class ColumnParallelLinear(nn.Module):
                 f"tp={self.tp_rank}/{self.tp_size}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(UnshardedStateDict, nn.Module):
     """Linear layer whose input features are split over the TP group; partial outputs are all-reduced.
 
     The bias is replicated and added once, after the reduction.

@@ -10,7 +10,8 @@ from torch.distributed import ProcessGroup
 
 from .comm import get_tp_world_size
 
-__all__ = ["TPSpec", "set_tp_spec", "get_tp_spec", "padded_size", "shard_tensor", "gather_tensor", "shard_parameter"]
+__all__ = ["TPSpec", "set_tp_spec", "get_tp_spec", "padded_size", "shard_tensor", "gather_tensor", "shard_parameter",
+           "UnshardedStateDict"]
 
 
 @dataclass
@@ -96,3 +97,15 @@ def shard_parameter(param: Tensor, spec: TPSpec | None, rank: int, world: int) -
     if spec is not None:
         set_tp_spec(out, spec)
     return out
+
+
+class UnshardedStateDict:
+    """Mixin for parallel layers: `unsharded_state_dict()` gives the native module's full tensors (padding
+    stripped, fused areas reassembled). Collective over the layer's `tp_group`."""
+
+    def unsharded_state_dict(self) -> dict:
+        full = {}
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            spec = get_tp_spec(tensor)
+            full[name] = tensor.detach() if spec is None else gather_tensor(tensor.detach(), spec, self.tp_group)
+        return full

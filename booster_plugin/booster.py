@@ -40,8 +40,16 @@ class Booster:
 
     @contextlib.contextmanager
     def no_sync(self, model: Optional[nn.Module] = None, optimizer=None):
-        """Gradient accumulation: gradients are reduced over data parallel at optimizer.step(), so nothing to skip."""
-        yield
+        """Gradient accumulation: backward passes inside accumulate locally; the data-parallel reduction starts in
+        the first backward outside (or at optimizer.step())."""
+        previous = getattr(model, "require_grad_sync", None)
+        if previous is not None:
+            model.require_grad_sync = False
+        try:
+            yield
+        finally:
+            if previous is not None:
+                model.require_grad_sync = previous
 
     # -- checkpoints (ColossalAI's signatures; see checkpoint_io.py). Collective: call on every rank. ------------
     @property

@@ -32,6 +32,46 @@ def make_buckets(params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTE
     return buckets
 
 
+class GradBucket:
+    """Gradients of a group of parameters in one flat buffer: one all-reduce, launched as soon as the last of
+    them is accumulated in the step's final backward pass, so the reduction overlaps the rest of the backward."""
+
+    def __init__(self, params: List[nn.Parameter]) -> None:
+        self.params = params
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        # after the gradients, one flag per parameter: did any replica produce a gradient for it?
+        self.buffer = torch.zeros(self.offsets[-1] + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.has_grad = self.buffer[self.offsets[-1]:]
+        self.ready: set = set()
+        self.work = None
+
+    def view(self, i: int) -> torch.Tensor:
+        return self.buffer[self.offsets[i]:self.offsets[i + 1]].view_as(self.params[i])
+
+    @torch.no_grad()
+    def launch(self, group: dist.ProcessGroup) -> None:
+        for i, p in enumerate(self.params):
+            self.has_grad[i] = p.grad is not None
+            if p.grad is None:
+                self.view(i).zero_()
+            elif p.grad.data_ptr() != self.view(i).data_ptr():
+                self.view(i).copy_(p.grad)
+        self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
+
+    @torch.no_grad()
+    def finish(self, dp_size: int) -> None:
+        """Wait for the reduction; the gradients become views of the averaged buffer (None where no replica had
+        one, so that the optimizer skips unused parameters as it would on one process)."""
+        self.work.wait()
+        self.buffer.div_(dp_size)
+        for i, p in enumerate(self.params):
+            p.grad = self.view(i) if self.has_grad[i] > 0 else None
+        self.work = None
+        self.ready.clear()
+
+
 class HybridParallelModule(nn.Module):
     """Wraps the sharded HF model (`unwrap()` returns it); forward is the model's own, pruned to this stage."""
 
@@ -44,7 +84,37 @@ class HybridParallelModule(nn.Module):
         self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.shared_params = shared_params  # [(parameter, group of the stages holding it, is_owner)]
-        self._buckets = make_buckets(p for p in module.parameters() if p.requires_grad)
+        # False while gradients accumulate (all but the last microbatch, booster.no_sync): no reduction launched
+        self.require_grad_sync = True
+        self._buckets: List[GradBucket] = []
+        if self.dp_size > 1:  # buckets in reverse order: the backward pass produces the last layers' grads first
+            params = [p for p in module.parameters() if p.requires_grad]
+            self._buckets = [GradBucket(b) for b in make_buckets(reversed(params))]
+            for bucket in self._buckets:
+                for i, p in enumerate(bucket.params):
+                    p.register_post_accumulate_grad_hook(self._grad_ready_hook(bucket, i))
+
+    def _grad_ready_hook(self, bucket: GradBucket, index: int):
+        def hook(param: nn.Parameter) -> None:
+            if not self.require_grad_sync:
+                return
+            if bucket.work is not None:
+                raise RuntimeError("A second backward pass reached gradients whose data-parallel reduction already "
+                                   "started. To accumulate gradients, run all but the last backward inside "
+                                   "`with booster.no_sync(model):`, or call optimizer.step()/zero_grad() between.")
+            bucket.ready.add(index)
+            if len(bucket.ready) == len(bucket.params):
+                bucket.launch(self.dp_group)
+        return hook
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also drops reductions launched for gradients that are now discarded (e.g. a skipped step)."""
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            bucket.ready.clear()
+        super().zero_grad(set_to_none=set_to_none)
 
     def unwrap(self) -> nn.Module:
         return self.module
@@ -57,23 +127,17 @@ class HybridParallelModule(nn.Module):
     # -- gradient reduction (called by the optimizer's step) ---------------------------------------------
     @torch.no_grad()
     def sync_grads(self) -> None:
-        """Sum gradients of parameters shared by stages (tied embeddings), then average over data parallel."""
+        """Average gradients over data parallel (buckets not launched during the backward pass are launched now,
+        e.g. with unused parameters), then sum those of parameters shared by stages (tied embeddings)."""
+        for bucket in self._buckets:
+            if bucket.work is None:
+                bucket.launch(self.dp_group)
+        for bucket in self._buckets:
+            bucket.finish(self.dp_size)
         for p, group, _ in self.shared_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
-        if self.dp_size == 1:
-            return
-        for bucket in self._buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.dp_group)
-            flat.div_(self.dp_size)
-            for p, synced in zip(bucket, _unflatten_dense_tensors(flat, grads)):
-                if p.grad is None:
-                    p.grad = synced
-                else:
-                    p.grad.copy_(synced)
 
     @torch.no_grad()
     def sync_params(self) -> None:
@@ -146,8 +210,7 @@ class HybridParallelOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
-        if self._pairs:
-            self.model.zero_grad(set_to_none=set_to_none)
+        self.model.zero_grad(set_to_none=set_to_none)
 
     def named_parameters(self):
         """(model parameter name, the parameter this optimizer steps) for this rank's parameters."""

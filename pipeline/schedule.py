@@ -89,6 +89,12 @@ def _detach(obj: Any) -> Any:
     return obj
 
 
+def _set_grad_sync(model: Any, enabled: bool) -> None:
+    """Models that reduce gradients during backward (data parallel) do it only in the step's last backward."""
+    if hasattr(model, "require_grad_sync"):
+        model.require_grad_sync = enabled
+
+
 class OneForwardOneBackwardSchedule:
     """Runs one training (or evaluation) step of `num_microbatches` microbatches over the pipeline."""
 
@@ -159,7 +165,7 @@ class OneForwardOneBackwardSchedule:
         if m < sm.num_stages:
             raise ValueError(f"1F1B needs at least pp_size={sm.num_stages} microbatches, got {m}.")
         state = {"loss": torch.zeros((), device=p2p.device), "outputs": [], "return_outputs": return_outputs,
-                 "num_microbatches": m, "forwards": 0, "backwards": 0}
+                 "num_microbatches": m, "forwards": 0, "backwards": 0, "model": model}
         if self.tracer is not None:
             self.tracer.start_step(m, sm.pp_group)
         p2p.new_step()
@@ -195,6 +201,7 @@ class OneForwardOneBackwardSchedule:
         for i in range(num_steady):
             output = run_forward(input_obj)
             output_grad = None if last else self._comm("send+recv", p2p.send_forward_recv_backward, output)
+            _set_grad_sync(model, state["backwards"] == m - 1)
             input_grad = self._backward(optimizer, input_objs.pop(0), output_objs.pop(0), output_grad, state)
             if i == num_steady - 1:
                 if not first:
@@ -206,6 +213,7 @@ class OneForwardOneBackwardSchedule:
 
         for _ in range(num_warmup):
             output_grad = self._comm("recv", p2p.recv_backward)
+            _set_grad_sync(model, state["backwards"] == m - 1)
             input_grad = self._backward(optimizer, input_objs.pop(0), output_objs.pop(0), output_grad, state)
             if not first:
                 self._comm("send", p2p.send_backward, input_grad)
@@ -213,6 +221,7 @@ class OneForwardOneBackwardSchedule:
 
     def _finish(self, state: Dict[str, Any], return_loss: bool) -> Dict[str, Any]:
         self.p2p.flush()
+        _set_grad_sync(state["model"], True)
         loss = None
         if return_loss:
             loss = state["loss"]

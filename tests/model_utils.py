@@ -134,7 +134,7 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
         ref_opt.step()
         for name, p in model.unwrap().named_parameters():
             if name not in ref_grads:  # unused by this loss (e.g. BERT's pooler): no gradient here either
-                assert p.grad is None or not p.grad.any(), f"{kind}: unused {name} got a gradient"
+                assert p.grad is None, f"{kind}: unused {name} got a gradient"
                 continue
             assert p.grad is not None, f"{kind}: held parameter {name} got no gradient"
             assert_close(gathered(p, p.grad, tp_group), ref_grads[name], f"{kind} step {step} grad of {name}")

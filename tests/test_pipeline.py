@@ -176,8 +176,39 @@ def _check_dataloader_shards_over_dp_only():
     assert sorted(torch.cat([by_dp[0][0], by_dp[1][0]]).tolist()) == list(range(16))
 
 
+def _check_gradient_accumulation_with_no_sync():
+    """dp=4: backward passes inside booster.no_sync accumulate locally; the reduction runs once, with the sum.
+    A second backward after the reduction started is refused with the fix in the message."""
+    plugin = HybridParallelPlugin()  # dp = 4
+    booster = Booster(plugin=plugin)
+    reference = mu.build("llama_lm")
+    model = mu.build("llama_lm")
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    halves = [mu.make_batch("llama_lm", 16, seed) for seed in (1, 2)]
+    for half in halves:  # reference: every replica's shard of both halves, averaged over replicas
+        for r in range(4):
+            part = {k: v[r * 4:(r + 1) * 4] for k, v in half.items()}
+            (reference(**part).loss / 4).backward()
+    mine = [{k: v[plugin.dp_rank * 4:(plugin.dp_rank + 1) * 4] for k, v in h.items()} for h in halves]
+    with booster.no_sync(model):
+        booster.backward(model(**mine[0]).loss, opt)
+    booster.backward(model(**mine[1]).loss, opt)
+    model.sync_grads()
+    for name, p in model.unwrap().named_parameters():
+        mu.assert_close(p.grad, reference.get_parameter(name).grad, f"accumulated grad of {name}")
+    opt.zero_grad()
+    booster.backward(model(**mine[0]).loss, opt)
+    with pytest.raises(RuntimeError, match="booster.no_sync"):
+        booster.backward(model(**mine[1]).loss, opt)
+    opt.zero_grad()  # recovers: the discarded reduction is dropped
+    booster.backward(model(**mine[0]).loss, opt)
+    opt.step()
+    dist.barrier()
+
+
 def _four_ranks():
     _check_dataloader_shards_over_dp_only()
+    _check_gradient_accumulation_with_no_sync()
     for kind in ("gpt2_lm", "llama_lm"):
         mu.check_training(kind, pp_size=4, num_microbatches=4)
         mu.check_training(kind, pp_size=2, num_microbatches=2)  # dp=2

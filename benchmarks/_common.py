@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
 
+import copy
 import datetime
 import faulthandler
 import json
@@ -151,6 +152,36 @@ def sync_time(fn: Callable[[], Any], cpu: Optional[List[float]] = None) -> float
     return float(elapsed.item())
 
 
+def interleaved_steps(steps: Dict[str, Callable[[Any], Any]], batches: Sequence[Any], rounds: int, dog: "Watchdog",
+                      after_warmup: Optional[Callable[[], None]] = None):
+    """One warm-up step of every variant (batch 0), then `rounds` timed rounds in rotated order, each step under
+    the watchdog (180 s). Returns (times, cpu, losses) by variant: wall seconds and this rank's CPU seconds per
+    timed step, and every step's return value (the loss, or None on ranks that do not have it)."""
+    names = list(steps)
+    times = {n: [] for n in names}
+    cpu = {n: [] for n in names}  # this rank's CPU seconds per timed step
+    losses = {n: [] for n in names}  # per step, on the rank that has the loss
+
+    def run(n, batch, timed):
+        holder, cpu_local = [], []
+        dog.arm(f"{n} ({'timed' if timed else 'warm-up'} step)", 180)
+        t = sync_time(lambda: holder.append(steps[n](batch)), cpu_local)
+        dog.disarm()
+        losses[n].append(holder[0])
+        if timed:
+            times[n].append(t)
+            cpu[n].append(cpu_local[0])
+
+    for n in names:  # warm-up = step 1 (torch pipelining infers shapes here)
+        run(n, batches[0], timed=False)
+    if after_warmup is not None:
+        after_warmup()
+    for r in range(rounds):
+        for n in rotated(names, r):
+            run(n, batches[(r + 1) % len(batches)], timed=True)
+    return times, cpu, losses
+
+
 def gather_per_rank(local: Any) -> List[Any]:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, local)
@@ -164,6 +195,26 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     line = lambda r: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def rank0_printer(rank: int) -> Callable[..., None]:
+    """print (flushed) on rank 0, nothing elsewhere."""
+    return (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+
+
+def finish(name: str, results: Dict[str, Any], rank: int, t_start: float, say: Callable[..., None],
+           watchdog: str, loadavg_label: str = " (1/5/15 min)") -> None:
+    """A timed benchmark's epilogue: hung variants, total time and load average, the results (rank 0), then leave
+    the process group. `watchdog` describes its limits for the 'none hung' line."""
+    say("hung variants: " + (", ".join(results["hung"]) if results["hung"] else f"none (watchdog: {watchdog})"))
+    results["total_s"] = time.perf_counter() - t_start
+    results["loadavg_at_end"] = loadavg()
+    say(f"total {results['total_s']:.0f} s; load average{loadavg_label} at start {results['env']['loadavg_at_start']}, "
+        f"at end {results['loadavg_at_end']} on {os.cpu_count()} cores")
+    if rank == 0:
+        say("wrote " + write_results(name, results))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def write_results(name: str, results: Dict[str, Any]) -> str:
@@ -209,6 +260,14 @@ def hf_criterion(outputs, batch) -> torch.Tensor:
     return outputs.loss
 
 
+def boost_copy(booster, reference, lr: float = 1e-3):
+    """A deep copy of `reference` and an AdamW over it, boosted; returns (model, optimizer)."""
+    model = copy.deepcopy(reference)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model, opt, *_ = booster.boost(model, opt)
+    return model, opt
+
+
 # -- drivers: one command that runs a benchmark at several world sizes ----------------------------------------------
 def launch(script: str, nproc: int, args: Sequence[str] = (), timeout_s: float = 600.0) -> int:
     """Run `torchrun --nproc_per_node=nproc script args` (a fresh process group of that size) and wait for it."""
@@ -217,6 +276,49 @@ def launch(script: str, nproc: int, args: Sequence[str] = (), timeout_s: float =
            str(_free_port()), script, *args]
     print("$ " + " ".join(["torchrun", *cmd[3:]]), flush=True)
     return subprocess.run(cmd, timeout=timeout_s).returncode
+
+
+def run_worlds(script: str, worlds: Sequence[int], timeout_s: float = 600.0) -> Dict[str, Any]:
+    """Driver: `script --worker OUT_JSON` once per world size (ascending), each under torchrun; returns the merged
+    results (exits if one fails)."""
+    import tempfile
+    merged: Dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in sorted(worlds):
+            path = os.path.join(tmp, f"world{world}.json")
+            rc = launch(script, world, ["--worker", path], timeout_s=timeout_s)
+            if rc != 0 or not os.path.exists(path):
+                raise SystemExit(f"world {world} failed (exit code {rc})")
+            with open(path) as f:
+                merged.update(json.load(f))
+    return merged
+
+
+def worker_main(script: str, worlds: Sequence[int], worker: Callable[[str], None],
+                report: Callable[[Dict[str, Any], float], None], order: Optional[Sequence[str]] = None) -> None:
+    """main() of a benchmark that runs at several world sizes: with --worker OUT_JSON, run `worker(OUT_JSON)` (one
+    world, under torchrun); otherwise run every world (run_worlds), `report(results, t_start)` (in `order` when
+    given) and print the total time."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", metavar="OUT_JSON", help="(internal) run the layouts of this world size")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    t_start = time.perf_counter()
+    res = run_worlds(script, worlds)
+    report({k: res[k] for k in order} if order is not None else res, t_start)
+    print(f"total {time.perf_counter() - t_start:.0f} s, load average {loadavg()}")
+
+
+def worker_done(rank: int, out_path: str, results: Dict[str, Any]) -> None:
+    """End of a --worker run: rank 0 writes `results` to `out_path`, then every rank leaves the process group."""
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=2)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _free_port() -> int:

@@ -26,13 +26,9 @@ Writes benchmarks/results/bench_comm.json.
 """
 from __future__ import annotations
 
-import argparse
-import copy
-import json
 import math
 import os
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -216,9 +212,7 @@ def worker(out_path: str) -> None:
     for label, tp, pp in LAYOUTS[world]:
         plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=M if pp > 1 else None)
         booster = Booster(plugin=plugin)
-        model = copy.deepcopy(reference)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model, opt, *_ = booster.boost(model, opt)
+        model, opt = C.boost_copy(booster, reference)
 
         def step():
             if pp > 1:
@@ -252,11 +246,7 @@ def worker(out_path: str) -> None:
                           "per_rank": C.gather_per_rank(local)}
         del model, opt, booster, plugin
     counter.uninstall()
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=2)
-    dist.barrier()
-    dist.destroy_process_group()
+    C.worker_done(rank, out_path, results)
 
 
 # -- driver -------------------------------------------------------------------------------------------------------
@@ -327,24 +317,7 @@ def report(all_results, t_start: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", metavar="OUT_JSON", help="(internal) run the layouts of this world size")
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker)
-        return
-    t_start = time.perf_counter()
-    all_results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in sorted(LAYOUTS):
-            path = os.path.join(tmp, f"world{world}.json")
-            rc = C.launch(HERE, world, ["--worker", path], timeout_s=600)
-            if rc != 0 or not os.path.exists(path):
-                raise SystemExit(f"world {world} failed (exit code {rc})")
-            with open(path) as f:
-                all_results.update(json.load(f))
-    report(all_results, t_start)
-    print(f"total {time.perf_counter() - t_start:.0f} s, load average {C.loadavg()}")
+    C.worker_main(HERE, LAYOUTS, worker, report)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,7 @@ Writes benchmarks/results/bench_memory.json.
 """
 from __future__ import annotations
 
-import argparse
-import copy
-import json
 import os
-import tempfile
 import time
 
 import _common as C  # sets OMP_NUM_THREADS before torch loads
@@ -114,9 +110,7 @@ def measure(label, tp, pp, dp, m, reference, batch):
     plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=m)
     assert plugin.dp_size == dp, (label, plugin.dp_size)
     booster = Booster(plugin=plugin)
-    model = copy.deepcopy(reference)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt, *_ = booster.boost(model, opt)
+    model, opt = C.boost_copy(booster, reference)
     params = list(model.unwrap().parameters())
     per = BATCH // dp
     local = {k: v[plugin.dp_rank * per:(plugin.dp_rank + 1) * per] for k, v in batch.items()}
@@ -169,11 +163,7 @@ def worker(out_path: str) -> None:
                           "per_rank": C.gather_per_rank(local), "seconds": time.perf_counter() - t0}
         if rank == 0:
             print(f"[world {world}] {label}: {results[label]['seconds']:.0f} s", flush=True)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=2)
-    dist.barrier()
-    dist.destroy_process_group()
+    C.worker_done(rank, out_path, results)
 
 
 def report(res, t_start: float) -> None:
@@ -239,25 +229,7 @@ def report(res, t_start: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", metavar="OUT_JSON", help="(internal) run the layouts of this world size")
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker)
-        return
-    t_start = time.perf_counter()
-    res = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in sorted(LAYOUTS):
-            path = os.path.join(tmp, f"world{world}.json")
-            rc = C.launch(HERE, world, ["--worker", path], timeout_s=600)
-            if rc != 0 or not os.path.exists(path):
-                raise SystemExit(f"world {world} failed (exit code {rc})")
-            with open(path) as f:
-                res.update(json.load(f))
-    order = [label for w in sorted(LAYOUTS) for label, *_ in LAYOUTS[w]]
-    report({k: res[k] for k in order}, t_start)
-    print(f"total {time.perf_counter() - t_start:.0f} s, load average {C.loadavg()}")
+    C.worker_main(HERE, LAYOUTS, worker, report, order=[label for w in sorted(LAYOUTS) for label, *_ in LAYOUTS[w]])
 
 
 if __name__ == "__main__":

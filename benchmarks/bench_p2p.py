@@ -13,7 +13,6 @@ Writes benchmarks/results/bench_p2p.json.
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 
 import _common as C  # sets OMP_NUM_THREADS before torch loads
@@ -132,9 +131,7 @@ def build_step(reference, transport: str, m: int, cache: bool):
     plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=m, p2p_transport=transport,
                                   enable_metadata_cache=cache)
     booster = Booster(plugin=plugin)
-    model = copy.deepcopy(reference)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt, *_ = booster.boost(model, opt)
+    model, opt = C.boost_copy(booster, reference)
     model.train()
 
     def step(batch):
@@ -156,7 +153,7 @@ def main() -> None:
     rank = C.init_dist()
     results = {"benchmark": NAME, "env": C.environment(), "hung": []}
     dog = C.Watchdog(NAME, results)
-    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    say = C.rank0_printer(rank)
     t_start = time.perf_counter()
 
     mesh = ProcessGroupMesh(1, 2, 1)
@@ -278,18 +275,9 @@ def main() -> None:
     losses = list(first_loss.values())
     spread = max(losses) - min(losses)
     say(f"first-step losses agree across variants: spread {spread:.2e}")
-    say("hung variants: " + (", ".join(results["hung"]) if results["hung"] else "none (watchdog: 60 s per block, "
-                                                                                "120 s per step)"))
     results["verdict"] = verdict
     results["first_step_loss_spread"] = spread
-    results["total_s"] = time.perf_counter() - t_start
-    results["loadavg_at_end"] = C.loadavg()
-    say(f"total {results['total_s']:.0f} s; load average (1/5/15 min) at start {results['env']['loadavg_at_start']}, "
-        f"at end {results['loadavg_at_end']} on {C.os.cpu_count()} cores")
-    if rank == 0:
-        say("wrote " + C.write_results(NAME, results))
-    dist.barrier()
-    dist.destroy_process_group()
+    C.finish(NAME, results, rank, t_start, say, watchdog="60 s per block, 120 s per step")
 
 
 if __name__ == "__main__":

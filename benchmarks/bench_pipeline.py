@@ -105,9 +105,7 @@ def build_torch_pipelining(reference, schedule_cls):
 def build_ours(reference):
     plugin = HybridParallelPlugin(tp_size=1, pp_size=P, num_microbatches=M)
     booster = Booster(plugin=plugin)
-    model = copy.deepcopy(reference)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt, *_ = booster.boost(model, opt)
+    model, opt = C.boost_copy(booster, reference)
     assert plugin.stage_manager.get_stage_index(plugin.stage_manager.distribute_layers(C.LAYERS, P)) == \
         ((0, SPLIT) if dist.get_rank() == 0 else (SPLIT, C.LAYERS))
 
@@ -158,7 +156,7 @@ def main() -> None:
                          "batch": C.BATCH, "intermediate": C.INTERMEDIATE, "microbatches": M, "stages": P,
                          "split": [SPLIT, C.LAYERS - SPLIT], "optimizer": "AdamW(lr=1e-3)", "dtype": "fp32"}}
     dog = C.Watchdog(NAME, results)
-    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    say = C.rank0_printer(rank)
     t_start = time.perf_counter()
 
     reference = C.build_llama(seed=0)
@@ -171,26 +169,7 @@ def main() -> None:
         f"one process, {M}x accumulation": build_single(reference, accumulate=True),
     }
     names = list(steps)
-    times = {n: [] for n in names}
-    cpu = {n: [] for n in names}  # this rank's CPU seconds per timed step
-    losses = {n: [] for n in names}  # per step, on the rank that has the loss
-
-    def run(n, batch, timed):
-        holder = []
-        dog.arm(f"{n} ({'timed' if timed else 'warm-up'} step)", 180)
-        cpu_local = []
-        t = C.sync_time(lambda: holder.append(steps[n](batch)), cpu_local)
-        dog.disarm()
-        losses[n].append(holder[0])
-        if timed:
-            times[n].append(t)
-            cpu[n].append(cpu_local[0])
-
-    for n in names:  # warm-up = step 1 (torch pipelining infers shapes here)
-        run(n, batches[0], timed=False)
-    for r in range(args.rounds):
-        for n in C.rotated(names, r):
-            run(n, batches[(r + 1) % len(batches)], timed=True)
+    times, cpu, losses = C.interleaved_steps(steps, batches, args.rounds, dog)
 
     # losses: gather from whichever rank has them
     gathered = [None] * dist.get_world_size()
@@ -258,15 +237,7 @@ def main() -> None:
     say("\n" + verdict["text"])
     say(f"losses: max spread across the {len(names)} variants at any of {len(per_step[names[0]])} steps = "
         f"{max_diff:.2e} (same init, same batches)")
-    say("hung variants: " + (", ".join(results["hung"]) if results["hung"] else "none (watchdog: 180 s per step)"))
-    results["total_s"] = time.perf_counter() - t_start
-    results["loadavg_at_end"] = C.loadavg()
-    say(f"total {results['total_s']:.0f} s; load average (1/5/15 min) at start {results['env']['loadavg_at_start']}, "
-        f"at end {results['loadavg_at_end']} on {C.os.cpu_count()} cores")
-    if rank == 0:
-        say("wrote " + C.write_results(NAME, results))
-    dist.barrier()
-    dist.destroy_process_group()
+    C.finish(NAME, results, rank, t_start, say, watchdog="180 s per step")
 
 
 if __name__ == "__main__":

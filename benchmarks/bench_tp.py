@@ -65,9 +65,7 @@ class Phases:
 
 def build_ours(reference, phases: Phases):
     booster = Booster(plugin=HybridParallelPlugin(tp_size=TP, pp_size=1))
-    model = copy.deepcopy(reference)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt, *_ = booster.boost(model, opt)
+    model, opt = C.boost_copy(booster, reference)
 
     def step(batch):
         phases.start()
@@ -207,7 +205,7 @@ def main() -> None:
                          "vocab": C.VOCAB, "seq": C.SEQ, "batch": C.BATCH, "optimizer": "AdamW(lr=1e-3)",
                          "dtype": "fp32", "tp": TP}}
     dog = C.Watchdog(NAME, results)
-    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    say = C.rank0_printer(rank)
     t_start = time.perf_counter()
 
     reference = C.build_llama(seed=0, **MODEL)
@@ -216,27 +214,11 @@ def main() -> None:
     steps = {OURS: build_ours(reference, phases[OURS]), DTENSOR: build_dtensor(reference, phases[DTENSOR]),
              SINGLE: build_single(reference, phases[SINGLE])}
     names = list(steps)
-    times = {n: [] for n in names}
-    cpu = {n: [] for n in names}
-    losses = {n: [] for n in names}
 
-    def run(n, batch, timed):
-        holder, cpu_local = [], []
-        dog.arm(f"{n} ({'timed' if timed else 'warm-up'} step)", 180)
-        t = C.sync_time(lambda: holder.append(steps[n](batch)), cpu_local)
-        dog.disarm()
-        losses[n].append(holder[0])
-        if timed:
-            times[n].append(t)
-            cpu[n].append(cpu_local[0])
-
-    for n in names:  # warm-up = step 1
-        run(n, batches[0], timed=False)
-    for ph in phases.values():
-        ph.samples.clear()
-    for r in range(args.rounds):
-        for n in C.rotated(names, r):
-            run(n, batches[(r + 1) % len(batches)], timed=True)
+    def clear_phases():  # the phase breakdown counts timed steps only
+        for ph in phases.values():
+            ph.samples.clear()
+    times, cpu, losses = C.interleaved_steps(steps, batches, args.rounds, dog, after_warmup=clear_phases)
 
     # where the time goes: one profiled step, then one counted step, per TP variant (not timed, same batches)
     dog.arm("profiling", 300)
@@ -317,15 +299,7 @@ def main() -> None:
     ]))
     say(results["verdict"]["text"])
     say(f"losses: step-1 spread {first_diff:.2e}, max spread at any of {args.rounds + 1} steps {max_diff:.2e}")
-    say("hung variants: " + (", ".join(results["hung"]) if results["hung"] else "none (watchdog: 180 s per step)"))
-    results["total_s"] = time.perf_counter() - t_start
-    results["loadavg_at_end"] = C.loadavg()
-    say(f"total {results['total_s']:.0f} s; load average at start {results['env']['loadavg_at_start']}, at end "
-        f"{results['loadavg_at_end']} on {C.os.cpu_count()} cores")
-    if rank == 0:
-        say("wrote " + C.write_results(NAME, results))
-    dist.barrier()
-    dist.destroy_process_group()
+    C.finish(NAME, results, rank, t_start, say, watchdog="180 s per step", loadavg_label="")
 
 
 if __name__ == "__main__":

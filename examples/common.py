@@ -14,6 +14,7 @@ import transformers
 from tqdm import tqdm
 
 from booster_plugin import Booster, HybridParallelPlugin
+from data import lm_datasets
 
 
 def get_parser(description: str, steps: int = 80, batch_size: int = 16, seq_len: int = 128, lr: float = 2e-3,
@@ -220,3 +221,25 @@ def finish(args, booster, plugin, model, tokenizer, losses: List[float], started
         generate_from_checkpoint(args.out, prompt)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def pretrain(args, booster, plugin, started: float, name: str, build_model, prompt: str) -> None:
+    """Pre-train a causal LM from scratch on lm_datasets: build_model(tokenizer, args) returns the HF model;
+    logs its size, trains args.steps steps with validation before and after, then finish()es."""
+    tokenizer, train_set, val_set = lm_datasets(args.seq_len)
+    model = build_model(tokenizer, args)
+    log(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}, "
+        f"{len(train_set)} training blocks of {args.seq_len} tokens")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    lr_scheduler = warmup_cosine(optimizer, args.steps)
+    criterion = lambda outputs, batch: outputs.loss  # noqa: E731 (the model shifts the labels itself)
+    train_loader = plugin.prepare_dataloader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                                             seed=args.seed)
+    val_loader = plugin.prepare_dataloader(val_set, batch_size=args.batch_size, drop_last=True)
+
+    model, optimizer, criterion, train_loader, lr_scheduler = booster.boost(model, optimizer, criterion,
+                                                                            train_loader, lr_scheduler)
+    log(f"validation loss before: {evaluate_loss(booster, plugin, args, model, criterion, val_loader):.4f}")
+    losses = train(booster, plugin, args, model, optimizer, criterion, train_loader, lr_scheduler)
+    log(f"validation loss after:  {evaluate_loss(booster, plugin, args, model, criterion, val_loader):.4f}")
+    finish(args, booster, plugin, model, tokenizer, losses, started, prompt=prompt)

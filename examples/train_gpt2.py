@@ -6,11 +6,18 @@
 """
 import time
 
-import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from common import evaluate_loss, finish, get_parser, log, setup, train, warmup_cosine
-from data import lm_datasets
+from common import get_parser, pretrain, setup
+
+
+def build_model(tokenizer, args):
+    """The model to pre-train, sized by --layers/--hidden."""
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=max(256, args.seq_len), n_embd=args.hidden,
+                        n_layer=args.layers, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    return GPT2LMHeadModel(config)
 
 
 def main() -> None:
@@ -20,28 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     booster, plugin = setup(args)
-
-    tokenizer, train_set, val_set = lm_datasets(args.seq_len)
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=max(256, args.seq_len), n_embd=args.hidden,
-                        n_layer=args.layers, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id)
-    model = GPT2LMHeadModel(config)
-    log(f"GPT-2: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}, "
-        f"{len(train_set)} training blocks of {args.seq_len} tokens")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    lr_scheduler = warmup_cosine(optimizer, args.steps)
-    criterion = lambda outputs, batch: outputs.loss  # noqa: E731 (the model shifts the labels itself)
-    train_loader = plugin.prepare_dataloader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                                             seed=args.seed)
-    val_loader = plugin.prepare_dataloader(val_set, batch_size=args.batch_size, drop_last=True)
-
-    model, optimizer, criterion, train_loader, lr_scheduler = booster.boost(model, optimizer, criterion,
-                                                                            train_loader, lr_scheduler)
-    log(f"validation loss before: {evaluate_loss(booster, plugin, args, model, criterion, val_loader):.4f}")
-    losses = train(booster, plugin, args, model, optimizer, criterion, train_loader, lr_scheduler)
-    log(f"validation loss after:  {evaluate_loss(booster, plugin, args, model, criterion, val_loader):.4f}")
-    finish(args, booster, plugin, model, tokenizer, losses, started, prompt="The \"if\" statement is used for")
+    pretrain(args, booster, plugin, started, "GPT-2", build_model, prompt="The \"if\" statement is used for")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ with tensor-parallel ones, re-tie shared weights — and returns what the runtim
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -12,7 +12,8 @@ from torch import nn
 
 from .layer.spec import get_tp_spec
 from .policies.base import Colwise, Policy, Rowwise, VocabEmbedding, VocabHead, match
-from .stage import Released, StageForward, StageInput, held_layer_list, replace_submodule, stand_in_for
+from .stage import (Released, StageForward, StageInput, get_submodule_parent, held_layer_list, replace_submodule,
+                    stand_in_for)
 
 
 @dataclass
@@ -23,7 +24,6 @@ class ShardConfig:
     parallel_output: bool = True
     make_vocab_size_divisible_by: int = 64
     rng_tracker: Optional[object] = None
-    extra: Dict[str, object] = field(default_factory=dict)
 
     @property
     def tp_size(self) -> int:
@@ -169,7 +169,7 @@ class Sharder:
                     stage_input = stand_in
         if not sm.is_last_stage():
             for path in policy.exit:
-                if getattr(*_parent_and_name(base, path)) is not None:
+                if getattr(*get_submodule_parent(base, path)) is not None:
                     replace_submodule(base, path, Released(prefix + path))
             for name in policy.head_modules():
                 setattr(model, name, Released(name))
@@ -241,7 +241,7 @@ class Sharder:
             if len(held) > 1:  # the sharded one wins (a replaced module made it; the others still hold the old one)
                 source = next((params[n] for n in held if get_tp_spec(params[n]) is not None), params[held[0]])
                 for name in held:
-                    parent, attr = _parent_and_name(self.model, name)
+                    parent, attr = get_submodule_parent(self.model, name)
                     setattr(parent, attr, source)
 
     def _enter_tp_regions_once(self) -> None:
@@ -331,8 +331,3 @@ def _native_view(module: nn.Module, parallel_types) -> nn.Module:
         shell.weight, shell.padding_idx = module.weight, module.local_padding_idx
         return shell
     return module
-
-
-def _parent_and_name(root: nn.Module, path: str):
-    parent, _, name = path.rpartition(".")
-    return (root.get_submodule(parent) if parent else root), name

@@ -73,9 +73,23 @@ class Released(nn.Module):
         raise RuntimeError(f"Module '{self.name}' is held by another pipeline stage and cannot run here.")
 
 
-def held_layer_list(layers: nn.ModuleList, start: int, end: int) -> nn.ModuleList:
-    """A ModuleList iterating over layers [start, end) whose state_dict keys keep their original indices."""
-    held = nn.ModuleList()
+class HeldLayers(nn.ModuleList):
+    """The layers one stage holds, under their original indices: `layers[5]` and the state_dict key `layers.5.*`
+    mean the HF layer 5; iterating (or slicing, as the models' own loops do) yields the held layers in order."""
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return nn.ModuleList(list(self._modules.values())[idx])
+        key = str(idx)
+        if key not in self._modules:
+            raise IndexError(f"Layer {idx} is held by another pipeline stage; this stage holds layers "
+                             f"{', '.join(self._modules)}.")
+        return self._modules[key]
+
+
+def held_layer_list(layers: nn.ModuleList, start: int, end: int) -> HeldLayers:
+    """Layers [start, end) of `layers`, keeping their indices (and so their parameter names)."""
+    held = HeldLayers()
     for i in range(start, end):
         held.add_module(str(i), layers[i])
     return held

@@ -119,6 +119,7 @@ def _two_ranks(tmp_dir: str):
     _check_bf16_keeps_fp32_master_weights("llama_lm")
     _check_bf16_keeps_fp32_master_weights("gpt2_lm")  # its position-embedding stand-in follows the dtype
     _check_trace(tmp_dir)
+    _check_policy_reports_what_the_stage_holds()
     _check_bad_input()
 
 
@@ -131,6 +132,23 @@ def _check_memory_promise():
     booster.execute_pipeline(iter([mu.make_batch("llama_lm", 8, 0)]), model, mu.criterion, opt)
     expected = plugin.pp_size - plugin.stage_manager.stage
     assert plugin.schedule.peak_inflight_microbatches == expected, plugin.schedule.peak_inflight_microbatches
+
+
+def _check_policy_reports_what_the_stage_holds():
+    """ColossalAI's Policy API on a sharded GPT-2: held layers per stage, and the tied embedding/head as shared."""
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=2)
+    model, *_ = Booster(plugin=plugin).boost(mu.build("gpt2_lm"))
+    policy, hf = model.policy, model.unwrap()
+    held = {id(m) for m in policy.get_held_layers()}
+    if plugin.stage_manager.is_first_stage():
+        expected = [hf.transformer.wte, hf.transformer.wpe, hf.transformer.drop, hf.transformer.h[0], hf.transformer.h[1]]
+        shared = {0: hf.transformer.wte.weight}
+    else:
+        expected = [hf.transformer.h[2], hf.transformer.h[3], hf.transformer.ln_f, hf.lm_head]
+        shared = {1: hf.lm_head.weight}
+    assert held == {id(m) for m in expected}
+    assert [{s: id(p) for s, p in d.items()} for d in policy.get_shared_params()] == [{s: id(p) for s, p in shared.items()}]
+    assert policy.shared_param_names() == [{0: "transformer.wte.weight", 1: "lm_head.weight"}]
 
 
 def _check_bad_input():

@@ -66,7 +66,7 @@ class Policy:
     # -- ColossalAI-style setters ---------------------------------------------------------------------------
     def set_model(self, model: nn.Module) -> None:
         self.model = model
-        self._num_layers = None
+        self._num_layers = self._shared_names = None
 
     def set_pipeline_stage_manager(self, stage_manager) -> None:
         self.stage_manager = stage_manager
@@ -115,14 +115,12 @@ class Policy:
             return (n - 1,)
         return tuple(range(n))  # used by every stage (rare): kept everywhere, gradients summed over stages
 
-    def held_stages(self, name: str) -> Tuple[int, ...]:
-        return self.stage_of_param(name)
-
     def get_held_layers(self) -> List[nn.Module]:
         """Modules (layers, entry, exit, head) held by this rank's stage."""
         sm = self.stage_manager
         start, end = sm.get_stage_index(self.layers_per_stage())
-        held = [self.layer_list()[i] for i in range(start, end)]
+        # by key, not position: after sharding the list keeps only this stage's layers, under their HF indices
+        held = [m for key, m in self.layer_list().named_children() if start <= int(key) < end]
         base = self.model.base_model
         if sm.is_first_stage():
             held += [base.get_submodule(e) for e in self.entry if _has(base, e)]
@@ -138,13 +136,17 @@ class Policy:
         return {name: m for name, m in self.model.named_children() if not self.base_prefix.startswith(name + ".")}
 
     def shared_param_names(self) -> List[Dict[int, str]]:
-        """Parameters held by several stages (e.g. a tied embedding / LM head): {stage: its name there}."""
-        by_id: Dict[int, Dict[int, str]] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            names = by_id.setdefault(id(p), {})
-            for stage in self.stage_of_param(name):
-                names.setdefault(stage, name)
-        return [names for names in by_id.values() if len(names) > 1]
+        """Parameters held by several stages (e.g. a tied embedding / LM head): {stage: its name there}.
+
+        Computed on the unsharded model and remembered (after sharding a stage no longer sees the others' names)."""
+        if getattr(self, "_shared_names", None) is None:
+            by_id: Dict[int, Dict[int, str]] = {}
+            for name, p in self.model.named_parameters(remove_duplicate=False):
+                names = by_id.setdefault(id(p), {})
+                for stage in self.stage_of_param(name):
+                    names.setdefault(stage, name)
+            self._shared_names = [names for names in by_id.values() if len(names) > 1]
+        return self._shared_names
 
     def get_shared_params(self) -> List[Dict[int, nn.Parameter]]:
         """ColossalAI's form of `shared_param_names`: {stage: parameter}, resolved on this rank's model."""

@@ -39,7 +39,11 @@ def ensure_distributed() -> None:
     if missing:
         raise RuntimeError(f"torch.distributed is not initialized and {', '.join(missing)} are not set: launch with "
                            f"`torchrun --nproc_per_node=N script.py` or call torch.distributed.init_process_group().")
-    dist.init_process_group()
+    backend = "gloo"  # CPU; with an accelerator, its backend (NCCL on CUDA) plus gloo for CPU tensors
+    if torch.accelerator.is_available():
+        kind = torch.accelerator.current_accelerator().type
+        backend = f"cpu:gloo,{kind}:{dist.Backend.default_device_backend_map.get(kind, 'gloo')}"
+    dist.init_process_group(backend)
 
 
 class HybridParallelPlugin:

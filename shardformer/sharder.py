@@ -163,6 +163,9 @@ class Sharder:
         stage_input = None
         if not sm.is_first_stage():
             for path, kind in policy.entry.items():
+                parent, name = get_submodule_parent(base, path)
+                if getattr(parent, name, None) is None:  # optional module this model does not have
+                    continue
                 stand_in = stand_in_for(kind, base.get_submodule(path))
                 replace_submodule(base, path, stand_in)
                 if isinstance(stand_in, StageInput):

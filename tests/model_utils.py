@@ -7,7 +7,7 @@ from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
-from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel, GPT2Config,
+from transformers import (OPTConfig, OPTForCausalLM, BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel, GPT2Config,
                           GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model, LlamaConfig, LlamaForCausalLM,
                           LlamaForSequenceClassification, LlamaModel)
 
@@ -33,7 +33,14 @@ def bert_config(layers: int = 4) -> BertConfig:
                       attention_probs_dropout_prob=0.0, pad_token_id=0)
 
 
+def opt_config(layers: int = 4) -> OPTConfig:
+    return OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=layers, num_attention_heads=4,
+                     max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1,
+                     eos_token_id=2, word_embed_proj_dim=32)
+
+
 MODELS: Dict[str, Callable] = {
+    "opt_lm": lambda n=4: OPTForCausalLM(opt_config(n)),
     "gpt2_lm": lambda n=4: GPT2LMHeadModel(gpt2_config(n)),
     "gpt2": lambda n=4: GPT2Model(gpt2_config(n)),
     "gpt2_cls": lambda n=4: GPT2ForSequenceClassification(gpt2_config(n)),

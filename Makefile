@@ -17,7 +17,12 @@ example: install
 test: install
 	$(PYTHON) -m pytest tests -q
 
+# every benchmark, one after another (timings want an otherwise idle machine); tables -> benchmarks/results/*.json
 bench: install
-	$(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_pipeline.py
-	$(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_tp.py
-	$(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_p2p.py
+	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_pipeline.py
+	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_tp.py
+	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_p2p.py
+	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_dp.py
+	$(PYTHON) benchmarks/bench_memory.py
+	$(PYTHON) benchmarks/bench_comm.py
+	$(PYTHON) benchmarks/bench_lazy_init.py

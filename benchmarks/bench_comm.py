@@ -153,7 +153,7 @@ def classify(rec, plugin) -> str:
         return "PP: activations" if forward else "PP: activation grads"
     if "schedule.py" in site and op == "broadcast":
         return "PP: loss broadcast to every stage"
-    if "parallel_module.py" in site and "sync_grads" in site:
+    if "parallel_module.py" in site and ("sync_grads" in site or " launch" in site):  # launch: during backward
         if rec.get("group_obj") is plugin.dp_group and plugin.dp_size > 1:
             return "DP: gradient all-reduce (buckets)"
         return "PP: tied-weight gradient all-reduce"

@@ -57,6 +57,7 @@ class HybridParallelPlugin:
                  parallel_output: bool = True, make_vocab_size_divisible_by: int = 64,
                  enable_metadata_cache: bool = True, p2p_transport: str = "p2p", seed: int = 1024,
                  trace: Optional[bool] = None,
+                 loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]] = None,
                  **unsupported: Any) -> None:
         # every check before the first collective, so that bad input fails the same way on every rank
         if unsupported:
@@ -102,8 +103,26 @@ class HybridParallelPlugin:
             p2p = PipelineP2PCommunication(self.stage_manager, self.device, transport=p2p_transport,
                                            enable_metadata_cache=enable_metadata_cache)
             self.schedule = OneForwardOneBackwardSchedule(self.stage_manager, p2p, num_microbatches, microbatch_size)
+            if loss_weight_fn is not None:
+                self.schedule.loss_scales_fn = self._token_weighted_scales(loss_weight_fn)
             if trace if trace is not None else os.environ.get("HP_TRACE", "0") not in ("", "0"):
                 self.schedule.tracer = ScheduleTracer(self.stage_manager.stage, pp_size)
+
+    def _token_weighted_scales(self, count: Callable[[Dict[str, Any]], Any]):
+        """Weigh each microbatch's (mean) loss by its share of the loss items (e.g. label tokens) of the whole
+        global batch, so that the step equals one process on the global batch even with padding."""
+
+        def scales(microbatches):
+            counts = torch.tensor([float(count(mb)) for mb in microbatches], dtype=torch.float64)
+            total = counts.sum().reshape(1).to(self.device)
+            local = float(total.item())
+            if self.dp_size > 1:  # gradients are averaged over replicas: scale by dp / global count
+                dist.all_reduce(total, group=self.dp_group)
+            backward = (counts * self.dp_size / max(float(total.item()), 1.0)).tolist()
+            report = (counts / max(local, 1.0)).tolist()  # this replica's token mean
+            return backward, report
+
+        return scales
 
     # -- boosting ---------------------------------------------------------------------------------------
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):

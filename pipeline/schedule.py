@@ -111,6 +111,9 @@ class OneForwardOneBackwardSchedule:
         self.microbatch_size = microbatch_size
         self.peak_inflight_microbatches = 0  # activations alive at once on this stage, for the memory promise
         self.tracer: Optional[ScheduleTracer] = None  # set to record a timeline (pipeline/trace.py)
+        # microbatches -> (scale of each microbatch loss in backward, its weight in the reported loss); default:
+        # 1/m for both. Lets the plugin weigh microbatches by their number of loss tokens.
+        self.loss_scales_fn: Optional[Callable[[List[Dict[str, Any]]], tuple]] = None
 
     def _span(self, kind: str, microbatch: int = -1):
         return _NO_SPAN if self.tracer is None else self.tracer.span(kind, microbatch)
@@ -134,9 +137,10 @@ class OneForwardOneBackwardSchedule:
             state["outputs"].append(_detach(output))
         if criterion is None:
             return None
-        loss = criterion(output, micro_batch) / state["num_microbatches"]
-        state["loss"] += loss.detach()
-        return loss
+        loss = criterion(output, micro_batch)
+        index = state["forwards"] - 1
+        state["loss"] += loss.detach() * state["report_weights"][index]
+        return loss * state["backward_scales"][index]
 
     def _backward(self, optimizer: Any, input_obj: Any, output_obj: Any, output_grad: Any, state: Dict[str, Any]) -> Any:
         with self._span("backward", state["backwards"]):
@@ -166,6 +170,10 @@ class OneForwardOneBackwardSchedule:
             raise ValueError(f"1F1B needs at least pp_size={sm.num_stages} microbatches, got {m}.")
         state = {"loss": torch.zeros((), device=p2p.device), "outputs": [], "return_outputs": return_outputs,
                  "num_microbatches": m, "forwards": 0, "backwards": 0, "model": model}
+        if self.loss_scales_fn is None:  # the step's loss is the mean of the microbatch losses
+            state["backward_scales"] = state["report_weights"] = [1.0 / m] * m
+        else:
+            state["backward_scales"], state["report_weights"] = self.loss_scales_fn(microbatches)
         if self.tracer is not None:
             self.tracer.start_step(m, sm.pp_group)
         p2p.new_step()

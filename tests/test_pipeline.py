@@ -224,8 +224,36 @@ def _check_gradient_accumulation_with_no_sync():
     dist.barrier()
 
 
+def _check_token_weighted_loss_equals_one_process():
+    """loss_weight_fn: microbatches and replicas weighted by label tokens, so a padded global batch trains exactly
+    like one process on it (the plain model loss, a mean over all label tokens of the global batch)."""
+    from shardformer.loss_weights import causal_lm_label_tokens
+
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=4, loss_weight_fn=causal_lm_label_tokens)  # dp=2
+    booster = Booster(plugin=plugin)
+    reference = mu.build("llama_lm")
+    model = mu.build("llama_lm")
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    batch = mu.make_batch("llama_lm", 16, 3)
+    batch["labels"][5, :6] = -100  # uneven label counts across microbatches and replicas
+    batch["labels"][9, 2:] = -100
+    local = {k: v[plugin.dp_rank * 8:(plugin.dp_rank + 1) * 8] for k, v in batch.items()}
+    with torch.no_grad():
+        expected_local = reference(**local).loss
+    reference(**batch).loss.backward()
+    ref_opt.step()
+    loss = booster.execute_pipeline(iter([local]), model, mu.criterion, opt)["loss"]
+    mu.assert_close(loss, expected_local, "this replica's token-mean loss")
+    opt.step()
+    for name, p in model.unwrap().named_parameters():
+        mu.assert_close(p.grad, reference.get_parameter(name).grad, f"token-weighted grad of {name}")
+        mu.assert_close(p.data, reference.get_parameter(name).data, f"param {name} after AdamW")
+
+
 def _four_ranks():
     _check_dataloader_shards_over_dp_only()
+    _check_token_weighted_loss_equals_one_process()
     _check_gradient_accumulation_with_no_sync()
     for kind in ("gpt2_lm", "llama_lm"):
         mu.check_training(kind, pp_size=4, num_microbatches=4)

@@ -577,21 +577,24 @@ class HybridParallelCheckpointIO:
                 candidates.append(f"{base_prefix}.{c}")
         return next((c for c in candidates if c in weight_map), None)
 
-    def load_model(self, model, checkpoint: str, strict: bool = True) -> None:
-        module = _module_of(model)
-        pending: List[Tuple[nn.Parameter, torch.Tensor]] = []
+    def _guarded_read(self, read, *args) -> Tuple[Any, Optional[str]]:
+        """Run a reader (its last argument: a dict it fills with open safetensors handles); always close the
+        handles; return (its result, None) or (None, the error message) for `_agree`."""
         handles: Dict[str, Any] = {}
-        error = None
         try:
-            pending = self._read_model(module, checkpoint, strict, handles)
+            return read(*args, handles), None
         except Exception as exc:
-            error = self._describe(exc)
+            return None, self._describe(exc)
         finally:
             for h in handles.values():
                 try:
                     h.__exit__(None, None, None)
                 except Exception:
                     pass
+
+    def load_model(self, model, checkpoint: str, strict: bool = True) -> None:
+        module = _module_of(model)
+        pending, error = self._guarded_read(self._read_model, module, checkpoint, strict)
         self._agree(error, f"load_model({checkpoint!r})")  # nothing was changed on any rank before this point
         masters = {}
         for opt in list(_OPTIMIZERS.get(module, ())):
@@ -746,19 +749,9 @@ class HybridParallelCheckpointIO:
         """Into the same layout: exact, each rank reads its own file. Into another (tp, pp, layer split): every
         state tensor shaped like its parameter is reassembled from the saved tp shards and re-sharded."""
         module, optim, names = self._optimizer_parts(optimizer)
-        handles: Dict[str, Any] = {}
-        error, new_state, hyper = None, {}, []
-        try:
-            new_state, hyper = self._read_optimizer(optimizer, module, optim, names, checkpoint, handles)
-        except Exception as exc:
-            error = self._describe(exc)
-        finally:
-            for h in handles.values():
-                try:
-                    h.__exit__(None, None, None)
-                except Exception:
-                    pass
+        result, error = self._guarded_read(self._read_optimizer, optimizer, module, optim, names, checkpoint)
         self._agree(error, f"load_optimizer({checkpoint!r})")
+        new_state, hyper = result
         with torch.no_grad():
             for group, values in zip(optim.param_groups, hyper):
                 group.update(values)

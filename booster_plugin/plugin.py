@@ -73,6 +73,9 @@ class HybridParallelPlugin:
                                       f"implemented; use pp_style='1f1b' with num_model_chunks=1.")
         if enable_sequence_parallelism:
             raise NotImplementedError("Sequence parallelism is not implemented; use enable_sequence_parallelism=False.")
+        if loss_weight_fn is not None and pp_size == 1 and not (num_microbatches or microbatch_size):
+            raise ValueError("loss_weight_fn weighs the microbatches of execute_pipeline: also give num_microbatches "
+                             "(or microbatch_size).")
         if pp_size > 1:
             if (num_microbatches is None) == (microbatch_size is None):
                 raise ValueError("With pp_size > 1 give exactly one of num_microbatches or microbatch_size.")

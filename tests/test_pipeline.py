@@ -159,6 +159,8 @@ def _check_bad_input():
         HybridParallelPlugin(pp_size=2, num_microbatches=1)
     with pytest.raises(ValueError, match="exactly one of num_microbatches or microbatch_size"):
         HybridParallelPlugin(pp_size=2)
+    with pytest.raises(ValueError, match="loss_weight_fn weighs the microbatches"):
+        HybridParallelPlugin(loss_weight_fn=len)
     with pytest.raises(ValueError, match="Cannot split 1 layers over 2 pipeline stages"):
         Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2)).boost(mu.build("gpt2_lm", layers=1))
     with pytest.raises(ValueError, match="num_layers_per_stage=\\[3, 3\\]"):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
@@ -12,17 +13,47 @@ from .plugin import HybridParallelPlugin
 
 
 class Booster:
+    """ColossalAI's Booster. Args:
+        device: accepted for compatibility (the plugin places each rank on its accelerator, else the CPU).
+        mixed_precision: as in ColossalAI, the plugin controls precision; a value here is ignored with a warning
+            (use HybridParallelPlugin(precision="bf16")).
+        plugin: the HybridParallelPlugin; may also be given to `boost(..., plugin=...)`. Without either, `boost`
+            uses HybridParallelPlugin() (data parallel over the whole world).
+    """
+
     def __init__(self, device: Optional[str] = None, mixed_precision: Optional[str] = None,
                  plugin: Optional[HybridParallelPlugin] = None) -> None:
         if mixed_precision is not None:
-            raise ValueError("Set precision on the plugin: HybridParallelPlugin(precision='bf16').")
-        self.plugin = plugin if plugin is not None else HybridParallelPlugin()
+            warnings.warn(f"Booster(mixed_precision={mixed_precision!r}) is ignored: the plugin controls precision; "
+                          f"use HybridParallelPlugin(precision=...).", stacklevel=2)
+        if plugin is not None and not isinstance(plugin, HybridParallelPlugin):
+            raise TypeError(f"plugin must be a HybridParallelPlugin, got {type(plugin).__name__}.")
+        self._plugin = plugin
         self.device = device
 
+    @property
+    def plugin(self) -> HybridParallelPlugin:
+        if self._plugin is None:  # made on first use, so that Booster() may be created before the plugin is known
+            self._plugin = HybridParallelPlugin()
+        return self._plugin
+
     def boost(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-              criterion: Optional[Callable] = None, dataloader=None, lr_scheduler=None):
+              criterion: Optional[Callable] = None, dataloader=None, lr_scheduler=None,
+              plugin: Optional[HybridParallelPlugin] = None):
         """Shard `model` for this rank and wrap the optimizer; returns (model, optimizer, criterion, dataloader,
-        lr_scheduler)."""
+        lr_scheduler).
+
+        Args:
+            plugin: configures a Booster made without one (`booster.boost(model, optimizer, plugin=...)`); an error
+                if the Booster already has a different plugin.
+        """
+        if plugin is not None:
+            if self._plugin is not None and self._plugin is not plugin:
+                raise ValueError("This Booster already has a plugin; pass the plugin either to Booster(plugin=...) or "
+                                 "to boost(..., plugin=...), not a different one to each.")
+            if not isinstance(plugin, HybridParallelPlugin):
+                raise TypeError(f"plugin must be a HybridParallelPlugin, got {type(plugin).__name__}.")
+            self._plugin = plugin
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
         self.checkpoint_io.register_optimizer(boosted[0], boosted[1])  # load_model refreshes its master weights
         return boosted

@@ -372,7 +372,7 @@ class HybridParallelCheckpointIO:
         tied = _tied_map(module)
         names = [n for n in module.full_params if n not in tied]
         stages = {n: _stage_of(module, n) for n in names}
-        my_stage = self.plugin.stage_manager.stage if module.pp_group is not None else 0
+        my_stage = self.plugin.stage
         held = dict(module.unwrap().named_parameters(remove_duplicate=False))
         codes = torch.full((len(names),), -1, dtype=torch.int64, device=self._device)
         for i, n in enumerate(names):
@@ -417,7 +417,7 @@ class HybridParallelCheckpointIO:
         """Collective stream of full tensors. Every dp-rank-0 rank of a stage gathers its stage's entries over tp;
         the `writer` receives other stages' entries from their stage writers, which send them."""
         rank = dist.get_rank()
-        my_stage = self.plugin.stage_manager.stage if module.pp_group is not None else 0
+        my_stage = self.plugin.stage
         held = dict(module.unwrap().named_parameters(remove_duplicate=False))
         tp_group = module.tp_group
         for e in entries:
@@ -462,7 +462,7 @@ class HybridParallelCheckpointIO:
         self._agree(error, f"save_model({checkpoint!r})")
         tmp = _siblings(checkpoint)[1]
 
-        my_stage = self.plugin.stage_manager.stage if module.pp_group is not None else 0
+        my_stage = self.plugin.stage
         for file_name, file_entries in files:
             writer = self._writer_rank(stages[file_entries[0].name]) if shard else 0
             takes_part = rank == writer or (self.plugin.dp_rank == 0 and
@@ -688,7 +688,7 @@ class HybridParallelCheckpointIO:
         `size_per_shard` and `gather_dtensor` are accepted for ColossalAI compatibility and do not change that."""
         module, optim, names = self._optimizer_parts(optimizer)
         plugin = self.plugin
-        stage = plugin.stage_manager.stage
+        stage = plugin.stage
         rank = dist.get_rank()
         error = None
         if rank == 0:

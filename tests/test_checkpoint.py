@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2LMHeadModel
 
 from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin import checkpoint_io
+from booster_plugin.checkpoint import format as ckpt_format
 from booster_plugin.checkpoint_io import CheckpointError
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
@@ -248,7 +248,7 @@ class _Crash(BaseException):
 
 
 def _crash_mid_save(root, saved):
-    real_writer = checkpoint_io._write_safetensors
+    real_writer = ckpt_format.write_safetensors
     path = os.path.join(root, "crash")
     parent, name = os.path.split(path)
     partial = os.path.join(parent, f".{name}.partial")
@@ -267,12 +267,12 @@ def _crash_mid_save(root, saved):
             raise OSError(28, "No space left on device")
         return real_writer(*args, **kwargs)
 
-    checkpoint_io._write_safetensors = failing_writer
+    ckpt_format.write_safetensors = failing_writer
     try:
         with pytest.raises(CheckpointError, match="No space left on device"):
             booster2.save_model(model2, path, shard=True, size_per_shard=0.02)
     finally:
-        checkpoint_io._write_safetensors = real_writer
+        ckpt_format.write_safetensors = real_writer
     _barrier()
     assert not os.path.exists(partial), "a failed save must remove its partial directory"
     booster2.load_model(model2, path)
@@ -285,12 +285,12 @@ def _crash_mid_save(root, saved):
         real_writer(*args, **kwargs)
         raise _Crash()
 
-    checkpoint_io._write_safetensors = crashing_writer
+    ckpt_format.write_safetensors = crashing_writer
     try:
         with pytest.raises(_Crash):
             booster3.save_model(model3, path, shard=True, size_per_shard=0.02)
     finally:
-        checkpoint_io._write_safetensors = real_writer
+        ckpt_format.write_safetensors = real_writer
     _barrier()
     assert os.path.isdir(partial) and os.listdir(partial), "the simulated crash should leave a partial directory"
     assert not any(f.endswith(".index.json") for f in os.listdir(partial))

@@ -19,7 +19,8 @@ from . import atomic
 from . import format as fmt
 from . import model as model_ckpt
 from . import optimizer as optim_ckpt
-from .jobs import JobQueue, agree, describe
+from . import jobs
+from .jobs import agree, describe
 
 # boosted module -> the optimizers boosted with it (bf16 training keeps fp32 master weights there)
 _OPTIMIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -30,7 +31,6 @@ class HybridParallelCheckpointIO:
 
     def __init__(self, plugin) -> None:
         self.plugin = plugin
-        self.jobs = JobQueue(lambda: self.device)
 
     @staticmethod
     def register_optimizer(model, optimizer) -> None:
@@ -53,9 +53,12 @@ class HybridParallelCheckpointIO:
         return self.plugin.pg_mesh.ravel((0, stage, 0))
 
     def synchronize(self) -> None:
-        """Wait for this IO's background saves (use_async=True); collective. Raises CheckpointError on every rank
-        if one failed (its checkpoint was not swapped in; the previous one is intact)."""
-        self.jobs.synchronize()
+        """Wait for the process's background saves (use_async=True); collective. Raises CheckpointError on every
+        rank if one failed (its checkpoint was not swapped in; the previous one is intact)."""
+        jobs.synchronize(self.device)
+
+    def finish(self, job: jobs.SaveJob, use_async: bool) -> None:
+        jobs.finish(job, use_async, self.device)
 
     def _guarded_read(self, read: Callable, *args) -> Tuple[Any, Optional[str]]:
         """Run a reader (its last argument: a dict it fills with open files); always close the files; return

@@ -3,7 +3,7 @@
 A save has a collective phase (plan, tp gathers, pp sends: always in the caller's thread) and a local phase: each
 writer writes its files, reports to rank 0 through a marker file, and rank 0 commits (index, config, swap). The
 local phase runs inline, or with `use_async=True` in a thread on snapshots of the tensors; `synchronize()` (and
-every later checkpoint call) joins the threads and agrees on their errors.
+every later checkpoint call, through any Booster) joins the threads and agrees on their errors.
 """
 from __future__ import annotations
 
@@ -86,31 +86,32 @@ class SaveJob:
             atomic.discard(self.tmp)  # the previous checkpoint is untouched
 
 
-class JobQueue:
-    """Save jobs of one CheckpointIO; `finish` runs one now or in the background, `synchronize` waits for all."""
+# background saves of this process, of every Booster / CheckpointIO: a load of a path saved asynchronously through
+# another Booster waits for it too. Every rank makes the same collective calls, so every rank has the same list.
+_PENDING: List[SaveJob] = []
 
-    def __init__(self, device: Callable[[], torch.device]) -> None:
-        self._device = device
-        self._pending: List[SaveJob] = []
 
-    def finish(self, job: SaveJob, use_async: bool) -> None:
-        if not use_async:
-            job.run()
-            agree(job.error, job.action, self._device())
-            return
-        job.thread = threading.Thread(target=job.run, name=f"checkpoint {job.action}")
-        job.thread.start()
-        self._pending.append(job)
+def finish(job: SaveJob, use_async: bool, device: torch.device) -> None:
+    """Run the local phase of a save now (then agree on errors), or start it in a background thread."""
+    if not use_async:
+        job.run()
+        agree(job.error, job.action, device)
+        return
+    job.thread = threading.Thread(target=job.run, name=f"checkpoint {job.action}")
+    job.thread.start()
+    _PENDING.append(job)
 
-    def synchronize(self) -> None:
-        """Collective when saves are pending (every rank made the same async calls): wait for them and raise one
-        CheckpointError on every rank if any failed (the failed checkpoint was not swapped in)."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        errors = []
-        for job in pending:
-            job.thread.join()
-            if job.error is not None:
-                errors.append(f"{job.action}: {job.error}")
-        agree("; ".join(errors) or None, "asynchronous save", self._device())
+
+def synchronize(device: torch.device) -> None:
+    """Collective when saves are pending: wait for them and raise one CheckpointError on every rank if any failed
+    (the failed checkpoint was not swapped in)."""
+    pending = list(_PENDING)
+    _PENDING.clear()
+    if not pending:
+        return
+    errors = []
+    for job in pending:
+        job.thread.join()
+        if job.error is not None:
+            errors.append(f"{job.action}: {job.error}")
+    agree("; ".join(errors) or None, "asynchronous save", device)

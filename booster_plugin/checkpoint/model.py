@@ -140,8 +140,8 @@ def _gathered(io: "HybridParallelCheckpointIO", module: HybridParallelModule, en
             yield t
 
 
-def _write_file(path: str, entries: Sequence[fmt.Entry], tensors: Iterator[torch.Tensor]) -> None:
-    if not path.endswith(fmt.TORCH_SUFFIXES):
+def _write_file(path: str, entries: Sequence[fmt.Entry], tensors: Iterator[torch.Tensor], torch_format: bool) -> None:
+    if not torch_format:
         fmt.write_safetensors(path, entries, tensors)
         return
     state = {e.name: next(tensors).contiguous() for e in entries}  # plain tensors: loads with weights_only=True
@@ -156,7 +156,7 @@ def save_model(io: "HybridParallelCheckpointIO", model, checkpoint: str, shard: 
     module = module_of(model)
     if not gather_dtensor:
         raise NotImplementedError("gather_dtensor=False is not supported: models are saved unsharded.")
-    single = checkpoint.endswith(FILE_SUFFIXES)
+    single, torch_format = checkpoint.endswith(FILE_SUFFIXES), checkpoint.endswith(fmt.TORCH_SUFFIXES)
     if single and shard:
         raise ValueError(f"shard=True writes a directory, but {checkpoint!r} names a file; drop the suffix or use "
                          f"shard=False for one file.")
@@ -187,7 +187,7 @@ def save_model(io: "HybridParallelCheckpointIO", model, checkpoint: str, shard: 
                 if use_async:
                     snapshots.append((path, file_entries, list(stream)))
                 else:
-                    _write_file(path, file_entries, stream)
+                    _write_file(path, file_entries, stream, torch_format)
             except Exception as exc:
                 error = io.describe(exc)
         for _ in stream:  # the rest of the collectives, whatever happened to the file
@@ -195,7 +195,7 @@ def save_model(io: "HybridParallelCheckpointIO", model, checkpoint: str, shard: 
 
     def write() -> None:
         for path, file_entries, tensors in snapshots:
-            _write_file(path, file_entries, iter(tensors))
+            _write_file(path, file_entries, iter(tensors), torch_format)
 
     def commit() -> None:
         if single:
@@ -212,7 +212,7 @@ def save_model(io: "HybridParallelCheckpointIO", model, checkpoint: str, shard: 
         _save_config(module, tmp, entries)
         atomic.swap_into_place(checkpoint)
 
-    io.jobs.finish(SaveJob(action, tmp, frozenset(writers - {0}), write, commit, error), use_async)
+    io.finish(SaveJob(action, tmp, frozenset(writers - {0}), write, commit, error), use_async)
 
 
 def _save_config(module: HybridParallelModule, directory: str, entries: Sequence[fmt.Entry]) -> None:

@@ -130,7 +130,7 @@ def save_optimizer(io: "HybridParallelCheckpointIO", optimizer, checkpoint: str,
         atomic.swap_into_place(checkpoint)
 
     writers = {plugin.pg_mesh.ravel((0, s, t)) for s in range(plugin.pp_size) for t in range(plugin.tp_size)}
-    io.jobs.finish(SaveJob(action, tmp, frozenset(writers - {0}), write, commit, error), use_async)
+    io.finish(SaveJob(action, tmp, frozenset(writers - {0}), write, commit, error), use_async)
 
 
 # -- load --------------------------------------------------------------------------------------------------------

@@ -58,10 +58,11 @@ class SaveJob:
     write: Callable[[], None]       # this rank's file writes (no collectives); a no-op if it has none
     commit: Callable[[], None]      # rank 0 only: index / config, then the swap
     error: Optional[str] = None     # set by the collective phase, then by the local phase
+    rank: int = field(default_factory=dist.get_rank)  # taken at the call: the group may be gone at exit
     thread: Optional[threading.Thread] = field(default=None, repr=False)
 
     def run(self) -> None:
-        rank = dist.get_rank()
+        rank = self.rank
         if self.error is None:
             try:
                 self.write()
@@ -91,13 +92,22 @@ class SaveJob:
 _PENDING: List[SaveJob] = []
 
 
+def _run_in_background(job: SaveJob) -> None:
+    try:
+        job.run()
+    except BaseException as exc:  # reported by synchronize(), never lost with the thread
+        job.error = job.error or describe(exc)
+        if job.rank == 0:
+            atomic.discard(job.tmp)
+
+
 def finish(job: SaveJob, use_async: bool, device: torch.device) -> None:
     """Run the local phase of a save now (then agree on errors), or start it in a background thread."""
     if not use_async:
         job.run()
         agree(job.error, job.action, device)
         return
-    job.thread = threading.Thread(target=job.run, name=f"checkpoint {job.action}")
+    job.thread = threading.Thread(target=_run_in_background, args=(job,), name=f"checkpoint {job.action}")
     job.thread.start()
     _PENDING.append(job)
 

@@ -12,7 +12,6 @@ import os
 import shutil
 import struct
 import threading
-import time
 
 import pytest
 import torch

@@ -6,6 +6,7 @@ Also: per-tensor checksums (a flipped byte is refused), optimizer param groups m
 for parameters the model lacks refused, background (use_async) saves, and single-file saves.
 
 One world-4 gloo group runs every case (spawning costs seconds)."""
+import argparse
 import copy
 import json
 import os
@@ -587,6 +588,13 @@ def _single_file(root):
     assert sorted(os.listdir(os.path.join(root, "single"))) == ["model.pt", "model.safetensors"]
     with pytest.raises(ValueError, match="shard=True writes a directory"):
         booster.save_model(model, os.path.join(root, "single/x.safetensors"), shard=True)
+    # a .pt holding more than plain tensors is refused by torch.load(weights_only=True): no pickle code runs
+    evil = os.path.join(root, "evil.pt")
+    if dist.get_rank() == 0:
+        torch.save({"model.embed_tokens.weight": torch.zeros(1), "extra": argparse.Namespace(a=1)}, evil)
+    _barrier()
+    with pytest.raises(CheckpointError, match=r"evil.pt is corrupted or not a state dict of tensors"):
+        booster.load_model(model, evil)
 
 
 def _four_ranks(root):

@@ -48,7 +48,17 @@ def ensure_distributed(timeout: Optional[float] = None) -> None:
     if torch.accelerator.is_available():
         kind = torch.accelerator.current_accelerator().type
         backend = f"cpu:gloo,{kind}:{dist.Backend.default_device_backend_map.get(kind, 'gloo')}"
-    dist.init_process_group(backend, **({"timeout": timedelta(seconds=timeout)} if timeout else {}))
+    kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts: keys of a previous attempt (the dead ranks' addresses)
+        # would be read by the new one, so each attempt gets its own prefix
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              int(os.environ["WORLD_SIZE"]), is_master=False,
+                              timeout=timedelta(seconds=timeout or 1800))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        kwargs.update(store=dist.PrefixStore(f"hybrid_parallel/attempt_{attempt}", store),
+                      rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend, **kwargs)
 
 
 def _alias(alias: str, alias_value: Optional[int], name: str, value: int) -> int:

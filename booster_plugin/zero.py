@@ -8,8 +8,8 @@ steps a 1-D `Segment.master` of its part. The user's optimizer steps those segme
 that act element by element (ELEMENTWISE_OPTIMIZERS; others are refused). A segment with no gradient on any
 replica gets none, so the optimizer skips it as it would skip the whole parameter on one process.
 
-After the step every bucket's slices are all-gathered (`all_gather_into_tensor`) into the model parameters.
-ZeRO-1 reads its slice of the all-reduced bucket; ZeRO-2 gets it from `reduce_scatter_tensor` (GradBucket).
+After the step every bucket's slices are all-gathered (`all_gather_single`) into the model parameters.
+ZeRO-1 reads its slice of the all-reduced bucket; ZeRO-2 gets it from `reduce_scatter_single` (GradBucket).
 Reused from torch: those two collectives on flat buffers, and ZeroRedundancyOptimizer's idea of wrapping the
 user's optimizer over a local partition (here: element slices of buckets instead of whole parameters, so that the
 per-rank bytes are ÷dp exactly and ZeRO-2's reduce-scatter lines up with the partition).
@@ -108,7 +108,7 @@ class ZeroOptimizer(HybridParallelOptimizer):
                 if seg is not None and values.get(id(p)) is not None:
                     shard[seg.shard_offset:seg.shard_offset + seg.numel] = values[id(p)]
             flat = torch.empty(bucket.padded, dtype=kind, device=bucket.device)
-            dist.all_gather_into_tensor(flat, shard, group=self.model.dp_group)
+            dist.all_gather_single(flat, shard, group=self.model.dp_group)
             yield bucket, flat
 
     @torch.no_grad()

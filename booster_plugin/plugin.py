@@ -15,6 +15,7 @@ from pipeline import OneForwardOneBackwardSchedule, PipelineP2PCommunication, Pi
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sharder import ShardConfig, Sharder
 
+from .activation_checkpoint import GradientCheckpointConfig, apply_activation_checkpointing
 from .mixed_precision import DynamicLossScaler, LossScalerConfig
 from .parallel_module import HybridParallelModule, HybridParallelOptimizer
 from .zero import ZeroOptimizer, check_zero_optimizer
@@ -63,6 +64,7 @@ class HybridParallelPlugin:
                  loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]] = None,
                  initial_scale: float = 2 ** 16, growth_factor: float = 2, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 2, min_scale: float = 1, max_scale: float = 2 ** 32,
+                 gradient_checkpoint_config: Optional[GradientCheckpointConfig] = None,
                  **unsupported: Any) -> None:
         # every check before the first collective, so that bad input fails the same way on every rank
         if unsupported:
@@ -77,6 +79,9 @@ class HybridParallelPlugin:
                                               hysteresis, min_scale, max_scale)
         if precision == "fp16":
             self.scaler_config.check()
+        if gradient_checkpoint_config is not None:
+            gradient_checkpoint_config.check(pp_size)
+        self.gradient_checkpoint_config = gradient_checkpoint_config
         if pp_style != "1f1b" or num_model_chunks != 1:
             raise NotImplementedError(f"pp_style={pp_style!r} with num_model_chunks={num_model_chunks} is not "
                                       f"implemented; use pp_style='1f1b' with num_model_chunks=1.")
@@ -164,6 +169,9 @@ class HybridParallelPlugin:
             rng_tracker=rng_tracker)
         sharder = Sharder(model, policy, shard_config)
         shared_names = sharder.shard()
+        apply_activation_checkpointing(model, list(policy.layer_list()), self.stage_manager.stage,
+                                       self.stage_manager.layers_per_virtual_stage(policy.num_layers()),
+                                       self.gradient_checkpoint_config, rng_tracker)
         if self.precision in _DTYPES:
             model.to(_DTYPES[self.precision])
         sharder._materialize(self.device)  # lazy init: a model built on the meta device gets only this rank's shard

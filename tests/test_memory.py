@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from booster_plugin import Booster, HybridParallelPlugin
+from booster_plugin import Booster, GradientCheckpointConfig, HybridParallelPlugin
 from booster_plugin.mixed_precision import DynamicLossScaler, LossScalerConfig
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
@@ -106,6 +106,59 @@ def _forced_overflow():
         assert torch.equal(flat, other), "replicas differ"
 
 
+def _train_with_dropout(kind: str, config: "GradientCheckpointConfig | None", steps: int = 2, **plugin_kwargs):
+    """Train `kind` with dropout everywhere; returns (losses, this rank's parameters, attention forward calls)."""
+    model = mu.build(kind)
+    for name in ("attn_pdrop", "resid_pdrop", "embd_pdrop", "attention_dropout"):
+        if hasattr(model.config, name):
+            setattr(model.config, name, 0.1)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+    torch.manual_seed(1234 + dist.get_rank())  # (tp > 1 re-seeds from the plugin's seed)
+    plugin = HybridParallelPlugin(gradient_checkpoint_config=config, **plugin_kwargs)
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6))
+    model.train()
+    calls = [0]
+    for name, module in model.unwrap().named_modules():
+        if name.rpartition(".")[2] in ("attn", "self_attn"):
+            module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    losses = []
+    for step in range(steps):
+        batch = mu.make_batch(kind, 8, seed=10 * step + plugin.dp_rank)
+        opt.zero_grad()
+        if plugin.schedule is not None:
+            losses.append(booster.execute_pipeline(iter([batch]), model, mu.criterion, opt)["loss"])
+        else:
+            loss = mu.criterion(model(**batch), batch)
+            booster.backward(loss, opt)
+            losses.append(loss.detach())
+        opt.step()
+    return losses, [p.detach().clone() for p in model.parameters()], calls[0]
+
+
+def check_activation_checkpointing(kind: str, config: GradientCheckpointConfig, recomputed_layers: int,
+                                   steps: int = 2, **plugin_kwargs) -> None:
+    """With dropout (tp: per-rank masks on split heads), checkpointing trains exactly like no checkpointing, and
+    this stage recomputed `recomputed_layers` layers per microbatch."""
+    losses, params, calls = _train_with_dropout(kind, None, steps, **plugin_kwargs)
+    ck_losses, ck_params, ck_calls = _train_with_dropout(kind, config, steps, **plugin_kwargs)
+    microbatches = steps * plugin_kwargs.get("num_microbatches", 1)
+    assert ck_calls - calls == recomputed_layers * microbatches, (ck_calls, calls)
+    for a, b in zip(ck_losses, losses):
+        mu.assert_close(a, b, f"{kind} loss with activation checkpointing")
+    for a, b in zip(ck_params, params):
+        mu.assert_close(a, b, f"{kind} parameters with activation checkpointing")
+
+
+def _activation_checkpointing_cases():
+    check_activation_checkpointing("gpt2_lm", GradientCheckpointConfig(), 4, tp_size=2)
+    # exact against the unsharded model too (no dropout), with ZeRO-2 and clipping
+    mu.check_training("llama_lm", zero_stage=2, max_norm=0.05,
+                      gradient_checkpoint_config=GradientCheckpointConfig(gradient_checkpointing_ratio=0.5))
+
+
 def test_two_ranks():
     run_distributed(2, _two_rank_cases)
 
@@ -115,6 +168,7 @@ def _two_rank_cases():
     _zero_cases()
     _mixed_precision_cases()
     _forced_overflow()
+    _activation_checkpointing_cases()
 
 
 # -- 4 ranks -------------------------------------------------------------------------------------------------------
@@ -122,6 +176,12 @@ def _four_rank_cases():
     for stage in (1, 2):
         mu.check_training("gpt2_lm", tp_size=2, zero_stage=stage, max_norm=0.05)
         mu.check_training("gpt2_lm", pp_size=2, num_microbatches=2, zero_stage=stage, max_norm=0.05)
+    # stage 0 checkpoints 1 of its 2 layers, stage 1 both; the stage-exit hook ends stage 0's forward
+    config = GradientCheckpointConfig(num_ckpt_layers_per_stage=[1, 2])
+    check_activation_checkpointing("llama_lm", config, [1, 2][dist.get_rank() // 2], tp_size=2, pp_size=2,
+                                   num_microbatches=2)
+    check_activation_checkpointing("gpt2_lm", config, [1, 2][dist.get_rank() // 2], tp_size=2, pp_size=2,
+                                   num_microbatches=2)
 
 
 def test_four_ranks():

@@ -596,14 +596,12 @@ class HybridParallelCheckpointIO:
         module = _module_of(model)
         pending, error = self._guarded_read(self._read_model, module, checkpoint, strict)
         self._agree(error, f"load_model({checkpoint!r})")  # nothing was changed on any rank before this point
-        masters = {}
-        for opt in list(_OPTIMIZERS.get(module, ())):
-            masters.update(getattr(opt, "master_of", {}))
+        optimizers = list(_OPTIMIZERS.get(module, ()))
         with torch.no_grad():
             for p, t in pending:
                 p.copy_(t)
-                if id(p) in masters:  # bf16 training: the optimizer's fp32 copy takes the checkpoint's values
-                    masters[id(p)].copy_(t)
+                for opt in optimizers:  # [feat-mem] mixed precision: fp32 masters (ZeRO: this rank's slice) too
+                    opt.load_master_weight(p, t)
 
     def _read_model(self, module: HybridParallelModule, checkpoint: str, strict: bool,
                     handles: Dict[str, Any]) -> List[Tuple[nn.Parameter, torch.Tensor]]:
@@ -682,8 +680,20 @@ class HybridParallelCheckpointIO:
     def _optimizer_file(self, stage: int, tp_rank: int) -> str:
         return f"optimizer-pp{stage:03d}-tp{tp_rank:03d}"
 
+    # [feat-mem] ZeRO: save/load see the optimizer unpartitioned over dp (files are the same for any zero_stage)
     def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
                        prefix: Optional[str] = None, size_per_shard: float = 1024) -> None:
+        self._optimizer_parts(optimizer)  # type check before any collective
+        with optimizer.unpartitioned():
+            self._save_optimizer(optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard)
+
+    def load_optimizer(self, optimizer, checkpoint: str) -> None:
+        self._optimizer_parts(optimizer)
+        with optimizer.unpartitioned(load=True):
+            self._load_optimizer(optimizer, checkpoint)
+
+    def _save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
+                        prefix: Optional[str] = None, size_per_shard: float = 1024) -> None:
         """Sharded: each (stage, tp rank) of dp replica 0 writes its own state; `shard`, `prefix`,
         `size_per_shard` and `gather_dtensor` are accepted for ColossalAI compatibility and do not change that."""
         module, optim, names = self._optimizer_parts(optimizer)
@@ -738,20 +748,23 @@ class HybridParallelCheckpointIO:
                 files = [self._optimizer_file(s, t) for s in range(plugin.pp_size) for t in range(plugin.tp_size)]
                 _write_json(os.path.join(tmp, OPTIMIZER_INDEX_NAME), {
                     "format": "hybrid_parallel.optimizer", "version": 1, "layout": layout,
-                    "optimizer": type(optim).__name__, "num_param_groups": len(optim.param_groups), "files": files})
+                    "optimizer": type(optim).__name__, "num_param_groups": len(optim.param_groups), "files": files,
+                    **({"loss_scaler": optimizer.scaler.state_dict()} if optimizer.scaler is not None else {})})
                 _swap_into_place(checkpoint)
             except Exception as exc:
                 error = self._describe(exc)
                 shutil.rmtree(tmp, ignore_errors=True)
         self._agree(error, f"save_optimizer({checkpoint!r})")
 
-    def load_optimizer(self, optimizer, checkpoint: str) -> None:
+    def _load_optimizer(self, optimizer, checkpoint: str) -> None:
         """Into the same layout: exact, each rank reads its own file. Into another (tp, pp, layer split): every
         state tensor shaped like its parameter is reassembled from the saved tp shards and re-sharded."""
         module, optim, names = self._optimizer_parts(optimizer)
         result, error = self._guarded_read(self._read_optimizer, optimizer, module, optim, names, checkpoint)
         self._agree(error, f"load_optimizer({checkpoint!r})")
-        new_state, hyper = result
+        new_state, hyper, scaler_state = result
+        if optimizer.scaler is not None and scaler_state is not None:  # [feat-mem] fp16 loss scale
+            optimizer.scaler.load_state_dict(scaler_state)
         with torch.no_grad():
             for group, values in zip(optim.param_groups, hyper):
                 group.update(values)
@@ -863,7 +876,7 @@ class HybridParallelCheckpointIO:
                         value = value.to(p.device)  # else Adam keeps `step` on the CPU
                     state[key] = value
                 new_state[p] = state
-        return new_state, hyper
+        return new_state, hyper, index.get("loss_scaler")
 
     # -- lr scheduler ----------------------------------------------------------------------------------------------
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:

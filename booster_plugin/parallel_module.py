@@ -308,6 +308,15 @@ class HybridParallelOptimizer:
             elif id(p) in stepped:
                 yield name, p
 
+    def load_master_weight(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """A checkpoint set `param` (model load): its fp32 master copy, if any, takes the same values."""
+        if id(param) in self.master_of:
+            self.master_of[id(param)].copy_(value)
+
+    def unpartitioned(self, load: bool = False) -> contextlib.AbstractContextManager:
+        """For checkpoint_io: the inner optimizer as if on one data-parallel rank (already so here; ZeRO gathers)."""
+        return contextlib.nullcontext()
+
     def gathered_grads(self) -> Dict[int, Optional[torch.Tensor]]:
         """{id(model parameter): the gradient the optimizer stepped for it (unscaled, clipped), or None}."""
         return {id(p): master.grad for p, master in self._pairs}

@@ -16,8 +16,10 @@ per-rank bytes are ÷dp exactly and ZeRO-2's reduce-scatter lines up with the pa
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -74,14 +76,25 @@ class ZeroOptimizer(HybridParallelOptimizer):
                     flat = flat.to(master_dtype).clone()
                 master = nn.Parameter(flat, requires_grad=p.requires_grad)
                 self.segments[id(p)] = Segment(p, bucket, i, a - bucket.offsets[i], a - lo, master)
+        self._mixed = master_dtype is not None
+        self._group_params = [list(group["params"]) for group in self.optim.param_groups]  # model parameters
         for group in self.optim.param_groups:
             group["params"] = [self.segments[id(p)].master for p in group["params"] if id(p) in self.segments]
+        self._stand_ins: Optional[Dict[int, nn.Parameter]] = None  # set inside unpartitioned()
 
     def named_parameters(self):
-        """(model parameter name, this rank's segment of it) for the parameters this rank owns a part of."""
+        """(model parameter name, this rank's segment of it) for the parameters this rank owns a part of; inside
+        `unpartitioned()`: (name, the whole parameter the view steps)."""
         for name, p in self.model.unwrap().named_parameters():
-            if id(p) in self.segments:
+            if self._stand_ins is not None and id(p) in self._stand_ins:
+                yield name, self._stand_ins[id(p)]
+            elif self._stand_ins is None and id(p) in self.segments:
                 yield name, self.segments[id(p)].master
+
+    def load_master_weight(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        seg = self.segments.get(id(param))
+        if seg is not None and self._mixed:
+            seg.master.copy_(value.reshape(-1)[seg.start:seg.start + seg.numel])
 
     def _master_grads(self) -> List[Tuple[nn.Parameter, torch.Tensor]]:
         out = []
@@ -129,3 +142,86 @@ class ZeroOptimizer(HybridParallelOptimizer):
                 used = bucket.used[i]
                 out[id(p)] = flat[bucket.offsets[i]:bucket.offsets[i + 1]].view_as(p).clone() if used else None
         return out
+
+    # -- checkpoints: the state as if unpartitioned --------------------------------------------------------------
+    def _gather_state(self) -> Dict[int, Dict[str, Any]]:
+        """{id(model parameter): its optimizer state with whole tensors (+ "master" with mixed precision)}, on
+        every dp rank. Collective over dp (object all-gather of the small per-parameter metadata)."""
+        names = {id(p): n for n, p in self.model.unwrap().named_parameters()}
+        local: Dict[str, Dict[str, Any]] = {}
+        for pid, seg in self.segments.items():
+            state = self.optim.state.get(seg.master, {})
+            local[names[pid]] = {"tensors": sorted(k for k, v in state.items() if _is_shard(v, seg)),
+                                 "scalars": {k: v for k, v in state.items() if not _is_shard(v, seg)}}
+        metas: List[Dict[str, Dict[str, Any]]] = [{} for _ in range(self.model.dp_size)]
+        dist.all_gather_object(metas, local, group=self.model.dp_group)
+        state_of: Dict[int, Dict[str, Any]] = {}
+        keys = set()
+        for bucket in self.model.buckets:
+            for p in bucket.params:
+                found = [m[names[id(p)]] for m in metas if names[id(p)] in m]
+                state_of[id(p)] = dict(found[0]["scalars"]) if found else {}
+                tensors = {k for f in found for k in f["tensors"]}
+                keys |= tensors
+                state_of[id(p)]["_tensors"] = tensors
+        for key in sorted(keys) + (["master"] if self._mixed else []):
+            values = {pid: (seg.master.detach() if key == "master" else self.optim.state.get(seg.master, {}).get(key))
+                      for pid, seg in self.segments.items()}
+            for bucket, flat in self._gather_buckets(values, torch.float32):
+                for i, p in enumerate(bucket.params):
+                    if key == "master" or key in state_of[id(p)]["_tensors"]:
+                        state_of[id(p)][key] = flat[bucket.offsets[i]:bucket.offsets[i + 1]].view_as(p).clone()
+        for state in state_of.values():
+            del state["_tensors"]
+        return state_of
+
+    @contextlib.contextmanager
+    def unpartitioned(self, load: bool = False) -> Iterator[None]:
+        """Inside, the inner optimizer looks unpartitioned to checkpoint_io: its param groups hold this (tp, pp)
+        rank's whole parameters (fp32 masters with mixed precision) and its state whole tensors. With `load`, the
+        state and master weights found there on exit are partitioned back. Collective over dp."""
+        full = self._gather_state()
+        stand_ins: Dict[int, nn.Parameter] = {}
+        for group in self._group_params:
+            for p in group:
+                if id(p) in full and self._mixed:
+                    stand_in = nn.Parameter(full[id(p)].pop("master"), requires_grad=p.requires_grad)
+                    if getattr(p, "_tp_spec", None) is not None:
+                        stand_in._tp_spec = p._tp_spec
+                    stand_ins[id(p)] = stand_in
+                elif id(p) in full:
+                    stand_ins[id(p)] = p
+        saved_params = [group["params"] for group in self.optim.param_groups]
+        saved_state, saved_masters = self.optim.state, self.master_of
+        self.optim.state = {stand_ins[pid]: state for pid, state in full.items() if state and pid in stand_ins}
+        for group, params in zip(self.optim.param_groups, self._group_params):
+            group["params"] = [stand_ins[id(p)] for p in params if id(p) in stand_ins]
+        self.master_of = {pid: m for pid, m in stand_ins.items() if self._mixed}
+        self._stand_ins = stand_ins
+        try:
+            yield
+            if load:
+                saved_state = collections.defaultdict(dict, self._partition(stand_ins))
+        finally:
+            for group, params in zip(self.optim.param_groups, saved_params):
+                group["params"] = params
+            self.optim.state, self.master_of, self._stand_ins = saved_state, saved_masters, None
+
+    @torch.no_grad()
+    def _partition(self, stand_ins: Dict[int, nn.Parameter]) -> Dict[nn.Parameter, Dict[str, Any]]:
+        """This rank's slices of the whole state (and masters) found in the unpartitioned view."""
+        state: Dict[nn.Parameter, Dict[str, Any]] = {}
+        for pid, seg in self.segments.items():
+            stand_in = stand_ins[pid]
+            if self._mixed:
+                seg.master.copy_(stand_in.detach().reshape(-1)[seg.start:seg.start + seg.numel])
+            whole = self.optim.state.get(stand_in, {})
+            if whole:
+                state[seg.master] = {k: v.reshape(-1)[seg.start:seg.start + seg.numel].clone()
+                                     if isinstance(v, torch.Tensor) and v.numel() == seg.param.numel() and v.dim() > 0
+                                     else v for k, v in whole.items()}
+        return state
+
+
+def _is_shard(value: Any, seg: Segment) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == seg.numel

@@ -159,11 +159,48 @@ def _activation_checkpointing_cases():
                       gradient_checkpoint_config=GradientCheckpointConfig(gradient_checkpointing_ratio=0.5))
 
 
-def test_two_ranks():
-    run_distributed(2, _two_rank_cases)
+def _train_steps(booster, model, opt, kind: str, steps: range) -> None:
+    for step in steps:
+        batch = mu.make_batch(kind, 8, seed=100 + 10 * step + booster.plugin.dp_rank)
+        opt.zero_grad()
+        booster.backward(mu.criterion(model(**batch), batch), opt)
+        opt.step()
 
 
-def _two_rank_cases():
+def _check_checkpoint_across_zero_stages(directory: str) -> None:
+    """Save at one zero_stage, load at the others: the next steps equal those of the run that was not stopped;
+    the fp16 loss scaler's state comes back with the optimizer."""
+    kind = "llama_lm"
+    for precision, saved_stage, tol in (("fp32", 2, 1e-5), ("fp16", 1, 1e-3)):
+        scaler = dict(initial_scale=2 ** 8, growth_interval=1) if precision == "fp16" else {}
+        runs = []
+        for stage in (saved_stage, 0, 1, 2):
+            booster = Booster(plugin=HybridParallelPlugin(zero_stage=stage, precision=precision, **scaler))
+            model = mu.build(kind)
+            model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6))
+            if not runs:  # the saved run
+                _train_steps(booster, model, opt, kind, range(2))
+                booster.save_model(model, os.path.join(directory, precision, "model"))
+                booster.save_optimizer(opt, os.path.join(directory, precision, "optim"))
+                saved_scale = opt.scaler.scale if opt.scaler is not None else None
+            else:
+                booster.load_model(model, os.path.join(directory, precision, "model"))
+                booster.load_optimizer(opt, os.path.join(directory, precision, "optim"))
+                if saved_scale is not None:
+                    assert opt.scaler.scale == saved_scale == 2 ** 10, (opt.scaler.scale, saved_scale)
+            _train_steps(booster, model, opt, kind, range(2, 4))
+            runs.append([p.detach().float().clone() for p in model.parameters()])
+        for stage, params in zip((0, 1, 2), runs[1:]):
+            for a, b in zip(params, runs[0]):
+                mu.assert_close(a, b, f"{precision}: zero_stage={saved_stage} saved, {stage} loaded", tol)
+
+
+def test_two_ranks(tmp_path):
+    run_distributed(2, _two_rank_cases, str(tmp_path))
+
+
+def _two_rank_cases(directory: str):
+    _check_checkpoint_across_zero_stages(directory)
     _refusals()
     _zero_cases()
     _mixed_precision_cases()

@@ -99,7 +99,7 @@ class GradBucket:
             work.wait()
         self.work = []
         self.ready.clear()
-        self.used = [bool(flag > 0) for flag in self.has_grad]
+        self.used = [flag > 0 for flag in self.has_grad.tolist()]
         if self.scatter:
             self.shard.div_(dp_size)
             self.buffer = None
@@ -264,6 +264,7 @@ class HybridParallelOptimizer:
         self.scaler = scaler
         self._device = next(model.parameters()).device
         self._master_grad_pairs: List[Tuple[nn.Parameter, torch.Tensor]] = []
+        self._grad_norm: Optional[torch.Tensor] = None
         self._init_weights(master_dtype)
 
     def _init_weights(self, master_dtype: Optional[torch.dtype]) -> None:
@@ -345,7 +346,9 @@ class HybridParallelOptimizer:
 
     # ------------------------------------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        total = self.get_grad_norm(norm_type)
+        """Scale the stepped gradients to a global norm of at most `max_norm`; returns the norm. Collective."""
+        grads = [g for p, g in self._master_grad_pairs if self.model.counts_in_norm(p)]
+        total = self._grad_norm = global_norm(grads, self._norm_groups(), norm_type, self._device)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for group in self.optim.param_groups:
             for p in group["params"]:
@@ -353,10 +356,9 @@ class HybridParallelOptimizer:
                     p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
         return total
 
-    def get_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """Global norm of the gradients being stepped (whole model, each element once). Collective."""
-        grads = [g for p, g in self._master_grad_pairs if self.model.counts_in_norm(p)]
-        return global_norm(grads, self._norm_groups(), norm_type, self._device)
+    def get_grad_norm(self) -> Optional[torch.Tensor]:
+        """The global gradient norm (whole model, each element once) of the last step that clipped (max_norm > 0)."""
+        return self._grad_norm
 
     def step(self, *args, **kwargs):
         with self.tracer.span("optimizer") if self.tracer is not None else contextlib.nullcontext():

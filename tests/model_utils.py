@@ -128,8 +128,7 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
                                                        for k, v in global_batch.items()}, mb) for r in range(dp)]
         ref_loss = torch.stack(ref_losses).mean()
         ref_loss.backward()
-        if max_norm > 0:
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm) if max_norm > 0 else None
         ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
 
         opt.zero_grad()
@@ -142,6 +141,8 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
         assert_close(loss.detach().float(), ref_losses[dp_rank].detach(), f"{kind} step {step} loss", tol)
         opt.step()  # reduces gradients over stages and replicas, clips, steps
         ref_opt.step()
+        if ref_norm is not None:
+            assert_close(opt.get_grad_norm().float(), ref_norm, f"{kind} step {step} gradient norm", tol)
         stepped_grads = opt.gathered_grads()  # (p.grad with fp32 and zero_stage=0)
         for name, p in model.unwrap().named_parameters():
             grad = stepped_grads.get(id(p))

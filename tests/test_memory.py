@@ -75,35 +75,40 @@ def _mixed_precision_cases():
     mu.check_training("llama_lm", precision="bf16", zero_stage=1, tol=MIXED_TOL)
 
 
-def _forced_overflow():
-    """An inf gradient on one replica only: every rank skips the step, replicas stay identical, the scale backs
-    off after `hysteresis` overflows; a good step then trains."""
+def _forced_overflow(**plugin_kwargs):
+    """An inf gradient on one rank only (global rank 1): every rank skips the step, replicas stay identical, the
+    scale backs off after `hysteresis` overflows; a good step then trains."""
     for zero_stage in (0, 2):
-        plugin = HybridParallelPlugin(precision="fp16", zero_stage=zero_stage, initial_scale=2 ** 10, hysteresis=2)
+        plugin = HybridParallelPlugin(precision="fp16", zero_stage=zero_stage, initial_scale=2 ** 10, hysteresis=2,
+                                      **plugin_kwargs)
         booster = Booster(plugin=plugin)
         model = mu.build("llama_lm")
         model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
         before = [p.detach().clone() for p in model.parameters()]
         batch = mu.make_batch("llama_lm", 4, seed=plugin.dp_rank)
-        overflowing = plugin.dp_rank == 1
-        for overflow_step in range(2):
+
+        def train_step(overflow: bool):
             opt.zero_grad()
             hooks = [p.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
-                     for p in list(model.parameters())[:1] if overflowing]  # in backward: before the dp reduction
-            booster.backward(mu.criterion(model(**batch), batch), opt)
+                     for p in list(model.parameters())[:1] if overflow and dist.get_rank() == 1]
+            if plugin.schedule is not None:  # in backward: before the dp reduction
+                booster.execute_pipeline(iter([batch]), model, mu.criterion, opt)
+            else:
+                booster.backward(mu.criterion(model(**batch), batch), opt)
             for h in hooks:
                 h.remove()
-            assert opt.step() is None
+            return opt.step()
+
+        for overflow_step in range(2):
+            assert train_step(overflow=True) is None
             assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a skipped step changed weights"
             assert opt.scaler.scale == (2 ** 10 if overflow_step == 0 else 2 ** 9)
-        opt.zero_grad()
-        booster.backward(mu.criterion(model(**batch), batch), opt)
-        opt.step()
+        train_step(overflow=False)
         assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the good step did not train"
         flat = torch.cat([p.detach().float().view(-1) for p in model.parameters()])
-        other = flat.clone()
-        dist.broadcast(other, src=0)
-        assert torch.equal(flat, other), "replicas differ"
+        others = [torch.empty_like(flat) for _ in range(plugin.dp_size)]
+        dist.all_gather(others, flat, group=plugin.dp_group)
+        assert all(torch.equal(flat, o) for o in others), "replicas differ"
 
 
 def _train_with_dropout(kind: str, config: "GradientCheckpointConfig | None", steps: int = 2, **plugin_kwargs):
@@ -213,6 +218,12 @@ def _four_rank_cases():
     for stage in (1, 2):
         mu.check_training("gpt2_lm", tp_size=2, zero_stage=stage, max_norm=0.05)
         mu.check_training("gpt2_lm", pp_size=2, num_microbatches=2, zero_stage=stage, max_norm=0.05)
+    # fp16/bf16 with tp and pp; the loss scale applies in the last stage's backward and between stages
+    mu.check_training("gpt2_lm", precision="fp16", pp_size=2, num_microbatches=2, zero_stage=2, max_norm=1.0,
+                      tol=MIXED_TOL)
+    mu.check_training("llama_lm", precision="fp16", tp_size=2, zero_stage=1, tol=MIXED_TOL)
+    mu.check_training("llama_lm", precision="bf16", pp_size=2, num_microbatches=2, zero_stage=2, tol=MIXED_TOL)
+    _forced_overflow(pp_size=2, num_microbatches=2)  # rank 1: stage 1 of replica 0
     # stage 0 checkpoints 1 of its 2 layers, stage 1 both; the stage-exit hook ends stage 0's forward
     config = GradientCheckpointConfig(num_ckpt_layers_per_stage=[1, 2])
     check_activation_checkpointing("llama_lm", config, [1, 2][dist.get_rank() // 2], tp_size=2, pp_size=2,

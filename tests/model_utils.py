@@ -3,7 +3,8 @@ gradients and parameters after AdamW steps as the unsharded model on one process
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict
+import os
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -98,11 +99,14 @@ def microbatch_mean_loss(model, batch: Dict[str, torch.Tensor], microbatch_size:
 
 
 def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int = 8, lr: float = 1e-3,
-                   max_norm: float = 0.0, tol: float = 1e-5, **plugin_kwargs) -> None:
+                   max_norm: float = 0.0, tol: float = 1e-5, save_to: Optional[str] = None,
+                   resume_from: Optional[Tuple[str, int]] = None, **plugin_kwargs) -> None:
     """Train the boosted model and the unsharded reference on the same global batches and compare everything.
 
     `tol` loosens the comparison for mixed precision (the reference stays fp32). The gradients compared are those
-    the optimizer stepped (fp32 masters, unscaled; with ZeRO all-gathered from the dp slices)."""
+    the optimizer stepped (fp32 masters, unscaled; with ZeRO all-gathered from the dp slices). `save_to`: save
+    model and optimizer there at the end; `resume_from=(directory, n)`: load them (saved after step n) and train
+    steps n..steps-1 (the reference trains all)."""
     plugin = HybridParallelPlugin(max_norm=max_norm, **plugin_kwargs)
     booster = Booster(plugin=plugin)
     reference = build(kind, layers)
@@ -118,6 +122,9 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
     tp_group = plugin.tp_group if plugin.tp_size > 1 else None
     mb = plugin_kwargs.get("microbatch_size") or local_batch // plugin_kwargs.get("num_microbatches", 1)
     dp, dp_rank = plugin.dp_size, plugin.dp_rank
+    if resume_from is not None:
+        booster.load_model(model, os.path.join(resume_from[0], "model"))
+        booster.load_optimizer(opt, os.path.join(resume_from[0], "optimizer"))
     for step in range(steps):
         global_batch = make_batch(kind, local_batch * dp, seed=100 + step)
         local = {k: v[dp_rank * local_batch:(dp_rank + 1) * local_batch] for k, v in global_batch.items()}
@@ -129,6 +136,9 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
         ref_loss = torch.stack(ref_losses).mean()
         ref_loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm) if max_norm > 0 else None
+        if resume_from is not None and step < resume_from[1]:  # the boosted model resumes from a checkpoint
+            ref_opt.step()
+            continue
         ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
 
         opt.zero_grad()
@@ -155,6 +165,9 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
         for name, p in model.unwrap().named_parameters():
             assert_close(gathered(p, p.data.float(), tp_group), ref_params[name].data, f"{kind} step {step} param {name}",
                          tol)
+    if save_to is not None:
+        booster.save_model(model, os.path.join(save_to, "model"))
+        booster.save_optimizer(opt, os.path.join(save_to, "optimizer"))
 
 
 def check_evaluation(kind: str, layers: int = 4, local_batch: int = 8, **plugin_kwargs) -> None:

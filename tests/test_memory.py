@@ -214,7 +214,10 @@ def _two_rank_cases(directory: str):
 
 
 # -- 4 ranks -------------------------------------------------------------------------------------------------------
-def _four_rank_cases():
+def _four_rank_cases(directory: str):
+    # saved at (2,1,2) with ZeRO-2, resumed at (1,2,2) with ZeRO-1: equal to the unsharded model trained throughout
+    mu.check_training("llama_lm", tp_size=2, num_microbatches=2, zero_stage=2, save_to=directory)
+    mu.check_training("llama_lm", steps=4, pp_size=2, num_microbatches=2, zero_stage=1, resume_from=(directory, 2))
     for stage in (1, 2):
         mu.check_training("gpt2_lm", tp_size=2, zero_stage=stage, max_norm=0.05)
         mu.check_training("gpt2_lm", pp_size=2, num_microbatches=2, zero_stage=stage, max_norm=0.05)
@@ -232,8 +235,8 @@ def _four_rank_cases():
                                    num_microbatches=2)
 
 
-def test_four_ranks():
-    run_distributed(4, _four_rank_cases)
+def test_four_ranks(tmp_path):
+    run_distributed(4, _four_rank_cases, str(tmp_path))
 
 
 # -- 8 ranks: (2,2,2), run inside test_pipeline.py's 8-rank group (one group start less) -----------------------------

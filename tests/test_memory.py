@@ -54,6 +54,7 @@ def _zero_cases():
         # (1,1,2) with clipping, and with gradient accumulation over 2 microbatches (no reduction until the last)
         mu.check_training("gpt2_lm", zero_stage=stage, max_norm=0.05)
         mu.check_training("llama_lm", zero_stage=stage, num_microbatches=2)
+        mu.check_training("bert", zero_stage=stage)  # an unused parameter (pooler): no gradient, not stepped
 
 
 def _refusals():

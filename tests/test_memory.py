@@ -68,6 +68,11 @@ def _refusals():
     model = mu.build("gpt2_lm")
     with pytest.raises(TypeError, match="LBFGS is not one of the element-wise optimizers"):
         Booster(plugin=plugin).boost(model, torch.optim.LBFGS(model.parameters()))
+    with pytest.raises(ValueError, match=r"num_ckpt_layers_per_stage=\[1, 1\] must hold pp_size=1"):
+        HybridParallelPlugin(gradient_checkpoint_config=GradientCheckpointConfig(num_ckpt_layers_per_stage=[1, 1]))
+    plugin = HybridParallelPlugin(gradient_checkpoint_config=GradientCheckpointConfig(num_ckpt_layers_per_stage=[5]))
+    with pytest.raises(ValueError, match="more checkpointed layers than they hold: stage 0: 5 of 4"):
+        Booster(plugin=plugin).boost(mu.build("gpt2_lm"))
 
 
 def _mixed_precision_cases():

@@ -4,8 +4,9 @@ A gloo receive or collective cannot be interrupted: a rank blocked waiting for a
 process-group timeout (30 minutes by default) or, if that rank's script catches the exception and goes on, forever.
 So a failing rank publishes `rank R: ExceptionType: message` in the job's rendezvous store (the TCPStore of the
 default process group) before re-raising, and a watchdog thread on every rank polls that store:
-- a rank inside a step (blocked or not) prints the failing rank's error and exits with status 1 (torchrun then ends
-  the job; nothing else can unblock it);
+- a rank inside a step whose collective fails because the failing rank closed its connections raises `RankFailure`
+  naming that rank; one still blocked in a receive prints the failing rank's error and exits with status 1
+  (torchrun then ends the job; nothing else can unblock it);
 - a rank outside a step raises `RankFailure` naming the failing rank at its next step or checkpoint call.
 The failing rank itself refuses further steps with the same error, so a script that catches it stops cleanly. A rank
 that dies without raising (killed, out of memory) closes its connections: its peers' collectives fail at once and
@@ -17,6 +18,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from typing import Iterator, Optional
 
 import torch.distributed as dist
@@ -69,6 +71,11 @@ class FailureGuard:
         except RankFailure:
             raise
         except BaseException as error:
+            # a collective that failed because another rank failed first (its connections closed): name that rank
+            other = self._other_failure(wait_seconds=2.0) if isinstance(error, RuntimeError) else None
+            if other is not None:
+                self._failure = other
+                raise RankFailure(f"The job cannot continue: {other}.") from error
             self._publish(f"rank {self.rank} failed in {what}: {type(error).__name__}: {error}")
             raise
         finally:
@@ -93,6 +100,17 @@ class FailureGuard:
             with contextlib.suppress(Exception):
                 if not self._store.check([_KEY]):
                     self._store.set(_KEY, text.encode()[:4096])
+
+    def _other_failure(self, wait_seconds: float) -> Optional[str]:
+        """Another rank's published failure, waiting up to `wait_seconds` for it to appear."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            failure = self._read()
+            if failure is not None and not failure.startswith(f"rank {self.rank} "):
+                return failure
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
 
     def _read(self) -> Optional[str]:
         if self._store is None:

@@ -12,6 +12,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from pipeline.trace import ScheduleTracer
 from pipeline import OneForwardOneBackwardSchedule, PipelineP2PCommunication, PipelineStageManager, ProcessGroupMesh
+from shardformer.parallelformers import as_policy
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sharder import ShardConfig, Sharder
 
@@ -89,7 +90,7 @@ class HybridParallelPlugin:
                              f"launch a multiple of {tp_size * pp_size} processes or change the sizes.")
         self.tp_size, self.pp_size = tp_size, pp_size
         self.dp_size = world // (tp_size * pp_size)
-        self.precision, self.max_norm, self.custom_policy = precision, max_norm, custom_policy
+        self.precision, self.max_norm, self.custom_policy = precision, max_norm, as_policy(custom_policy)
         self.parallel_output, self.make_vocab_size_divisible_by = parallel_output, make_vocab_size_divisible_by
         self.seed = seed
         self.device = default_device()

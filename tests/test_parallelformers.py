@@ -1,0 +1,141 @@
+"""Models described only by Parallelformers-style policies (GPT-2: fused q|k|v in reversed Conv1D weights; OPT:
+plain Linear layers) train exactly like the unsharded model under tp, pp and tp × pp; the pipeline split is
+derived from the model; wrong policies are refused with errors that name the fix."""
+import pytest
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.models.opt.modeling_opt import OPTDecoderLayer
+
+from shardformer.parallelformers import Layer, Policy, TranslatedPolicy, as_policy
+from shardformer.policies.base import Colwise, Rowwise
+from tests import model_utils as mu
+from tests.dist_utils import run_distributed
+
+
+class GPT2BlockPolicy(Policy):  # as Parallelformers ships it
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {"attn.embed_dim": config.hidden_size // world_size,
+                "attn.split_size": config.hidden_size // world_size,
+                "crossattention.embed_dim": config.hidden_size // world_size,  # absent without cross-attention
+                "attn.num_heads": config.n_head // world_size}
+
+    @staticmethod
+    def attn_qkv():
+        return [Layer(weight="attn.c_attn.weight", bias="attn.c_attn.bias", n_fused=3, reversed=True),
+                Layer(weight="crossattention.q_attn.weight", bias="crossattention.q_attn.bias", reversed=True,
+                      ignore_checker=True)]
+
+    @staticmethod
+    def attn_out():
+        return [Layer(weight="attn.c_proj.weight", bias="attn.c_proj.bias", reversed=True)]
+
+    @staticmethod
+    def mlp_in():
+        return [Layer(weight="mlp.c_fc.weight", bias="mlp.c_fc.bias", reversed=True)]
+
+    @staticmethod
+    def mlp_out():
+        return [Layer(weight="mlp.c_proj.weight", bias="mlp.c_proj.bias", reversed=True)]
+
+    @staticmethod
+    def original_layer_class():
+        return GPT2Block
+
+
+class OPTLayerPolicy(Policy):
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {"self_attn.num_heads": config.num_attention_heads // world_size}
+
+    @staticmethod
+    def attn_qkv():
+        return [Layer(weight=f"self_attn.{x}_proj.weight", bias=f"self_attn.{x}_proj.bias") for x in "qkv"]
+
+    @staticmethod
+    def attn_out():
+        return [Layer(weight="self_attn.out_proj.weight", bias="self_attn.out_proj.bias")]
+
+    @staticmethod
+    def mlp_in():
+        return [Layer(weight="fc1.weight", bias="fc1.bias")]
+
+    @staticmethod
+    def mlp_out():
+        return [Layer(weight="fc2.weight", bias="fc2.bias")]
+
+    @staticmethod
+    def original_layer_class():
+        return OPTDecoderLayer
+
+
+def test_translation_is_the_hand_written_policy():
+    """The translated plan and the derived split are what a hand-written policy says (GPT2Policy, README's OPT)."""
+    from shardformer.policies.gpt2 import GPT2Policy
+
+    policy = as_policy(GPT2BlockPolicy)
+    policy.set_model(mu.build("gpt2_lm"))
+    assert policy.tp_plan == {k: v for k, v in GPT2Policy.tp_plan.items() if k != "wte"}
+    policy.check_tp(policy.model.config, 2)
+    assert policy.tp_attributes == {"h.*.attn": ("embed_dim", "split_size", "num_heads")}
+
+    class Stages:  # the split is derived only when a pipeline is asked for
+        pass
+    policy.set_pipeline_stage_manager(Stages())
+    assert (policy.layers, policy.entry, policy.exit) == ("h", GPT2Policy.entry, GPT2Policy.exit)
+
+    policy = as_policy([OPTLayerPolicy()])
+    policy.set_model(mu.build("opt_lm"))
+    policy.set_pipeline_stage_manager(Stages())
+    assert policy.layers == "decoder.layers"
+    assert policy.entry == {"decoder.embed_tokens": "input", "decoder.embed_positions": "zeros"}
+    assert policy.exit == ("decoder.final_layer_norm",)
+    assert policy.tp_plan["decoder.layers.*.self_attn.q_proj"] == Colwise()
+    assert policy.tp_plan["decoder.layers.*.fc2"] == Rowwise()
+
+
+def _policy(cls_name, **methods):
+    return type(cls_name, (Policy,), {k: staticmethod(v) for k, v in methods.items()})
+
+
+@pytest.mark.parametrize("policy, message", [
+    (_policy("P", original_layer_class=lambda: OPTDecoderLayer), "no list of OPTDecoderLayer"),
+    (_policy("P", original_layer_class=lambda: GPT2Block,
+             attn_qkv=lambda: [Layer(weight="attn.c_attn.weight", n_fused=3)]), None),
+    (_policy("P", original_layer_class=lambda: GPT2Block,
+             attn_qkv=lambda: [Layer(weight="attn.c_attn.weight", n_fused=3, reversed=False)]), "set reversed=True"),
+    (_policy("P", original_layer_class=lambda: GPT2Block,
+             mlp_in=lambda: [Layer(weight="mlp.c_gate.weight")]), "ignore_checker=True"),
+    (_policy("P", original_layer_class=lambda: GPT2Block,
+             mlp_out=lambda: [Layer(weight="mlp.c_proj.weight", replace=object)]), "pass replace=None"),
+])
+def test_wrong_policies_are_refused(policy, message):
+    translated = as_policy(policy)
+    if message is None:  # reversed=None: taken from the module
+        translated.set_model(mu.build("gpt2_lm"))
+        assert translated.tp_plan == {"h.*.attn.c_attn": Colwise(n_fused=3)}
+        return
+    with pytest.raises(ValueError, match=message):
+        translated.set_model(mu.build("gpt2_lm"))
+
+
+def test_inexact_replace_arguments_and_foreign_policies_are_refused():
+    bad = _policy("P", original_layer_class=lambda: GPT2Block,
+                  replace_arguments=lambda config, ws: {"attn.num_heads": config.n_head // ws + 1})
+    policy = as_policy(bad)
+    policy.set_model(mu.build("gpt2_lm"))
+    with pytest.raises(ValueError, match="only exact division"):
+        policy.check_tp(policy.model.config, 2)
+    with pytest.raises(TypeError, match="Parallelformers-style"):
+        as_policy(object())
+    assert isinstance(as_policy([GPT2BlockPolicy, OPTLayerPolicy]), TranslatedPolicy)
+
+
+def _four_ranks():
+    for kind, policy in (("gpt2_lm", GPT2BlockPolicy), ("opt_lm", [OPTLayerPolicy])):
+        mu.check_training(kind, tp_size=2, custom_policy=policy)  # dp=2
+        mu.check_training(kind, pp_size=4, num_microbatches=4, custom_policy=policy)
+        mu.check_training(kind, tp_size=2, pp_size=2, num_microbatches=2, custom_policy=policy)
+
+
+def test_parallelformers_policies_train_exactly():
+    run_distributed(4, _four_ranks)

@@ -156,6 +156,10 @@ class Sharder:
     # -- pipeline ----------------------------------------------------------------------------------------
     def _release_unheld_layers(self) -> None:
         policy, sm, model = self.policy, self.shard_config.pipeline_stage_manager, self.model
+        release = getattr(policy, "release_unheld_layers", None)
+        if release is not None:  # a policy with its own stage structure (encoder-decoder)
+            self.stage_forward = release()
+            return
         prefix = policy.base_prefix
         base = model.base_model
         start, end = sm.get_stage_index(policy.layers_per_stage())

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import T5Config, T5ForConditionalGeneration
+from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
 from booster_plugin import Booster, HybridParallelPlugin
 from tests import model_utils as mu
@@ -19,6 +19,14 @@ def t5_config(layers: int = 2) -> T5Config:
                     eos_token_id=2, decoder_start_token_id=0)
 
 
+def bart_config(layers: int = 2) -> BartConfig:
+    return BartConfig(vocab_size=mu.VOCAB, d_model=32, encoder_layers=layers, decoder_layers=layers,
+                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                      max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)
+
+
+mu.MODELS["bart_lm"] = lambda n=2: BartForConditionalGeneration(bart_config(n))
 mu.MODELS["t5_lm"] = lambda n=2: T5ForConditionalGeneration(t5_config(n))
 mu.MODELS["t5_gated_lm"] = lambda n=2: T5ForConditionalGeneration(
     T5Config(**{**t5_config(n).to_dict(), "feed_forward_proj": "gated-gelu"}))
@@ -48,13 +56,25 @@ def _four_ranks(path: str) -> None:
     mu.check_training("t5_lm", tp_size=2)  # dp=2
     mu.check_training("t5_gated_lm", tp_size=2, layers=2)
     _generation_and_checkpoint(path)
+    for kind in ("t5_lm", "bart_lm"):
+        # 2 + 2 layers on 2 stages: the encoder on one, the decoder on the other (dp=2)
+        mu.check_training(kind, layers=2, pp_size=2, num_microbatches=2)
+        # 3 + 3 layers on 4 stages: [2, 1 | 1, 2]: stage 1 holds the last encoder and first decoder layer
+        mu.check_training(kind, layers=3, pp_size=4, num_microbatches=4, num_layers_per_stage=[2, 2, 1, 1])
+        mu.check_training(kind, layers=3, pp_size=4, num_microbatches=4)
+        mu.check_training(kind, layers=3, tp_size=2, pp_size=2, num_microbatches=2, num_layers_per_stage=[2, 4])
 
 
-def test_t5_tensor_parallel(tmp_path):
+def test_encoder_decoder_tp_pp_dp(tmp_path):
     run_distributed(4, _four_ranks, str(tmp_path / "t5"))
 
 
-def test_t5_pipeline_is_refused():
+def test_t5_pipeline_refusals():
     from shardformer.policies.t5 import T5Policy
-    with pytest.raises(NotImplementedError, match="pp_size=1"):
-        T5Policy().set_pipeline_stage_manager(object())
+    for model, message in ((T5ForConditionalGeneration(T5Config(**{**t5_config().to_dict(), "dropout_rate": 0.1})),
+                            "dropout_rate=0"),
+                           (mu.build("t5_lm").encoder, "no decoder")):
+        policy = T5Policy()
+        policy.set_model(model)
+        with pytest.raises(NotImplementedError, match=message):
+            policy.set_pipeline_stage_manager(object())

@@ -6,6 +6,7 @@ from typing import Dict, Type
 from torch import nn
 
 from .base import Policy
+from .bart import BartPolicy
 from .bert import BertPolicy
 from .gpt2 import GPT2Policy
 from .llama import LlamaPolicy, MistralPolicy, Qwen2Policy
@@ -17,6 +18,7 @@ _FAMILIES: Dict[Type[Policy], tuple] = {
     MistralPolicy: ("MistralModel", "MistralForCausalLM", "MistralForSequenceClassification"),
     Qwen2Policy: ("Qwen2Model", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
     T5Policy: ("T5ForConditionalGeneration", "T5Model", "T5EncoderModel"),
+    BartPolicy: ("BartForConditionalGeneration", "BartModel"),
     BertPolicy: ("BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification"),
 }
 SUPPORTED_MODELS: Dict[str, Type[Policy]] = {name: policy for policy, names in _FAMILIES.items() for name in names}

@@ -1,22 +1,29 @@
-"""T5 (T5ForConditionalGeneration, T5Model, T5EncoderModel): encoder and decoder stacks of blocks whose attention
-has q/k/v/o and whose feed-forward has wi (or gated wi_0, wi_1) and wo; one `shared` embedding tied to both stacks'
-`embed_tokens` and the LM head. The relative position bias is computed by the first block of each stack from a
-(buckets, heads) table: split by heads, each rank computes its own heads' bias; `n_heads` (which sizes the zero
-bias of cross-attention) is divided by tp.
+"""T5 (T5ForConditionalGeneration, T5Model): encoder and decoder stacks of blocks whose attention has q/k/v/o and
+whose feed-forward has wi (or gated wi_0, wi_1) and wo; one `shared` embedding tied to both stacks' `embed_tokens`
+and the LM head. The relative position bias is computed by the first block of each stack from a (buckets, heads)
+table: under tp it is split by heads (each rank computes its own heads' bias) and `n_heads` (which sizes the zero
+bias of cross-attention) is divided; under pp it is carried from stage to stage with the hidden states.
 """
-from .base import Colwise, HeadEmbedding, Policy, Rowwise, VocabEmbedding, VocabHead
+from ..encoder_decoder import EncoderDecoderPolicy
+from .base import IDENTITY, INPUT, Colwise, HeadEmbedding, Rowwise, VocabEmbedding, VocabHead
 
 _ATTENTION = ("*.block.*.layer.*.SelfAttention", "*.block.*.layer.*.EncDecAttention")
 
 
-class T5Policy(Policy):
+class T5Policy(EncoderDecoderPolicy):
+    encoder_layers, decoder_layers = "encoder.block", "decoder.block"
+    encoder_entry = {"shared": IDENTITY, "encoder.embed_tokens": INPUT}
+    decoder_entry = {"decoder.embed_tokens": INPUT}
+    encoder_exit = ("encoder.final_layer_norm",)
+    decoder_exit = ("decoder.final_layer_norm", "lm_head")
+    carried = {"position_bias": (2, 1)}  # T5Block(hidden, mask, position_bias, ...) -> (hidden, position_bias, ..)
     tp_plan = {
         "shared": VocabEmbedding(),
         "encoder.embed_tokens": VocabEmbedding(),
         "decoder.embed_tokens": VocabEmbedding(),
         **{f"{a}.{x}": Colwise() for a in _ATTENTION for x in "qkv"},
         **{f"{a}.o": Rowwise() for a in _ATTENTION},
-        "*.block.0.layer.0.SelfAttention.relative_attention_bias": HeadEmbedding(),
+        "*.block.*.layer.0.SelfAttention.relative_attention_bias": HeadEmbedding(),
         "*.block.*.layer.*.DenseReluDense.wi": Colwise(),
         "*.block.*.layer.*.DenseReluDense.wi_0": Colwise(),
         "*.block.*.layer.*.DenseReluDense.wi_1": Colwise(),
@@ -30,5 +37,10 @@ class T5Policy(Policy):
 
     def set_pipeline_stage_manager(self, stage_manager) -> None:
         if stage_manager is not None:
-            raise NotImplementedError("T5 with pp_size > 1 is not implemented yet: use tp and dp (pp_size=1).")
+            config = self.model.config
+            if not hasattr(self.model, "decoder"):
+                raise NotImplementedError(f"{type(self.model).__name__} has no decoder: use pp_size=1.")
+            if config.dropout_rate > 0:  # T5Stack applies one dropout module both before and after its blocks
+                raise NotImplementedError(f"T5 with pp_size > 1 needs dropout_rate=0 (got {config.dropout_rate}): "
+                                          f"a stage starting inside a stack would drop its input out twice.")
         super().set_pipeline_stage_manager(stage_manager)

@@ -32,37 +32,44 @@ mu.MODELS["t5_gated_lm"] = lambda n=2: T5ForConditionalGeneration(
     T5Config(**{**t5_config(n).to_dict(), "feed_forward_proj": "gated-gelu"}))
 
 
-def _generation_and_checkpoint(path: str) -> None:
-    plugin = HybridParallelPlugin(tp_size=2)
-    booster = Booster(plugin=plugin)
-    reference = mu.build("t5_lm", 2).eval()
-    model, *_ = booster.boost(copy.deepcopy(reference))
+def _generate(kind: str) -> None:
+    """Greedy generation with tp=2 (dp=2) gives the unsharded model's tokens."""
+    reference = mu.build(kind, 2).eval()
+    model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(copy.deepcopy(reference))
     model.eval()
-    batch = mu.make_batch("t5_lm", 2, seed=3)
+    batch = mu.make_batch(kind, 2, seed=3)
     with torch.no_grad():
-        expected = reference.generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=6,
-                                      do_sample=False)
-        actual = model.unwrap().generate(batch["input_ids"], attention_mask=batch["attention_mask"],
-                                         max_new_tokens=6, do_sample=False)
-    assert torch.equal(actual, expected), (actual, expected)
-    booster.save_model(model, path)
+        expected, actual = (m.generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=6,
+                                       do_sample=False) for m in (reference, model.unwrap()))
+    assert torch.equal(actual, expected), (kind, actual, expected)
+
+
+def _checkpoint(kind: str, path: str, **layout) -> None:
+    """A model saved from a (tp, pp) layout is a Hugging Face checkpoint that plain from_pretrained loads."""
+    reference = mu.build(kind, 3)
+    booster = Booster(plugin=HybridParallelPlugin(**layout))
+    model, *_ = booster.boost(copy.deepcopy(reference))
+    booster.save_model(model, path, shard=True, size_per_shard=1)
     dist.barrier()
-    loaded = T5ForConditionalGeneration.from_pretrained(path)
+    loaded = type(reference).from_pretrained(path).state_dict()
     for name, p in reference.state_dict().items():
-        mu.assert_close(loaded.state_dict()[name], p, f"checkpoint {name}")
+        mu.assert_close(loaded[name], p, f"{kind} checkpoint {name}")
+    dist.barrier()
 
 
 def _four_ranks(path: str) -> None:
-    mu.check_training("t5_lm", tp_size=2)  # dp=2
+    mu.check_training("t5_lm", tp_size=2, layers=2)  # dp=2
     mu.check_training("t5_gated_lm", tp_size=2, layers=2)
-    _generation_and_checkpoint(path)
+    mu.check_training("bart_lm", tp_size=2, layers=2)
     for kind in ("t5_lm", "bart_lm"):
+        _generate(kind)
         # 2 + 2 layers on 2 stages: the encoder on one, the decoder on the other (dp=2)
         mu.check_training(kind, layers=2, pp_size=2, num_microbatches=2)
-        # 3 + 3 layers on 4 stages: [2, 1 | 1, 2]: stage 1 holds the last encoder and first decoder layer
+        # 3 + 3 layers on 4 stages: [2, 2, 1, 1]: stage 1 holds the last encoder and first decoder layer
         mu.check_training(kind, layers=3, pp_size=4, num_microbatches=4, num_layers_per_stage=[2, 2, 1, 1])
-        mu.check_training(kind, layers=3, pp_size=4, num_microbatches=4)
+        mu.check_training(kind, layers=3, pp_size=4, num_microbatches=4)  # [1, 2, 2, 1]
         mu.check_training(kind, layers=3, tp_size=2, pp_size=2, num_microbatches=2, num_layers_per_stage=[2, 4])
+        _checkpoint(kind, f"{path}/{kind}", tp_size=2, pp_size=2, num_microbatches=2)
 
 
 def test_encoder_decoder_tp_pp_dp(tmp_path):

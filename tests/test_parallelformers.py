@@ -8,38 +8,13 @@ from transformers.models.opt.modeling_opt import OPTDecoderLayer
 from shardformer.parallelformers import Layer, Policy, TranslatedPolicy, as_policy
 from shardformer.policies.base import Colwise, Rowwise
 from tests import model_utils as mu
+from tests.readme_blocks import readme_block
 from tests.dist_utils import run_distributed
 
 
-class GPT2BlockPolicy(Policy):  # as Parallelformers ships it
-    @staticmethod
-    def replace_arguments(config, world_size):
-        return {"attn.embed_dim": config.hidden_size // world_size,
-                "attn.split_size": config.hidden_size // world_size,
-                "crossattention.embed_dim": config.hidden_size // world_size,  # absent without cross-attention
-                "attn.num_heads": config.n_head // world_size}
-
-    @staticmethod
-    def attn_qkv():
-        return [Layer(weight="attn.c_attn.weight", bias="attn.c_attn.bias", n_fused=3, reversed=True),
-                Layer(weight="crossattention.q_attn.weight", bias="crossattention.q_attn.bias", reversed=True,
-                      ignore_checker=True)]
-
-    @staticmethod
-    def attn_out():
-        return [Layer(weight="attn.c_proj.weight", bias="attn.c_proj.bias", reversed=True)]
-
-    @staticmethod
-    def mlp_in():
-        return [Layer(weight="mlp.c_fc.weight", bias="mlp.c_fc.bias", reversed=True)]
-
-    @staticmethod
-    def mlp_out():
-        return [Layer(weight="mlp.c_proj.weight", bias="mlp.c_proj.bias", reversed=True)]
-
-    @staticmethod
-    def original_layer_class():
-        return GPT2Block
+_README: dict = {}
+exec(readme_block("### Another model, Parallelformers' way"), _README)  # the README's worked example
+GPT2BlockPolicy = _README["GPT2BlockPolicy"]
 
 
 class OPTLayerPolicy(Policy):
@@ -100,7 +75,8 @@ def _policy(cls_name, **methods):
 @pytest.mark.parametrize("policy, message", [
     (_policy("P", original_layer_class=lambda: OPTDecoderLayer), "no list of OPTDecoderLayer"),
     (_policy("P", original_layer_class=lambda: GPT2Block,
-             attn_qkv=lambda: [Layer(weight="attn.c_attn.weight", n_fused=3)]), None),
+             attn_qkv=lambda: [Layer(weight="attn.c_attn.weight", n_fused=3),
+                               Layer(weight="crossattention.q_attn.weight", ignore_checker=True)]), None),
     (_policy("P", original_layer_class=lambda: GPT2Block,
              attn_qkv=lambda: [Layer(weight="attn.c_attn.weight", n_fused=3, reversed=False)]), "set reversed=True"),
     (_policy("P", original_layer_class=lambda: GPT2Block,
@@ -110,7 +86,7 @@ def _policy(cls_name, **methods):
 ])
 def test_wrong_policies_are_refused(policy, message):
     translated = as_policy(policy)
-    if message is None:  # reversed=None: taken from the module
+    if message is None:  # reversed=None: taken from the module; ignore_checker: absent modules skipped
         translated.set_model(mu.build("gpt2_lm"))
         assert translated.tp_plan == {"h.*.attn.c_attn": Colwise(n_fused=3)}
         return

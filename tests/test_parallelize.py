@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin.parallelize import parallelize
+from booster_plugin.parallelize import ParallelizedModel, parallelize
 from shardformer.plan import (ColWiseParallel, RowWiseParallel, SequenceParallelBegin, SplitPoint, resolve_plan,
                               resolve_split)
 from shardformer.policies.base import Colwise, Rowwise, VocabEmbedding, VocabHead
 from shardformer.policies.llama import LlamaPolicy
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
+from tests.readme_blocks import readme_block
 
 LLAMA_PLAN = {
     "model.embed_tokens": RowWiseParallel(),                      # vocab-parallel embedding
@@ -73,18 +74,33 @@ def _train_like_paddle(model, optimizer, batches):
     return losses
 
 
-def _compare(mesh, config, plugin_kwargs, steps=2, local_batch=8):
+def _readme_example(model, optimizer, batches):
+    """The README's worked example: mesh {"pp": 2, "mp": 2}, LLAMA_PLAN, split_spec "model.layers"."""
+    namespace = {"model": model, "optimizer": optimizer, "batches": batches}
+    exec(readme_block("### Another model, Paddle's way"), namespace)
+    return namespace["model"], namespace["losses"]
+
+
+def _with(mesh, config):
+    def run(model, optimizer, batches):
+        model, optimizer = parallelize(model, optimizer, mesh, config)
+        return model, _train_like_paddle(model, optimizer, batches)
+    return run
+
+
+def _compare(run, plugin_kwargs, steps=2, local_batch=8):
+    """`run` (a parallelize path) equals the plugin path with `plugin_kwargs` exactly and the reference to 1e-5."""
     reference = mu.build("llama_lm")
     via_plan, via_plugin = copy.deepcopy(reference), copy.deepcopy(reference)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
-    model, opt = parallelize(via_plan, torch.optim.AdamW(via_plan.parameters(), lr=1e-3, eps=1e-6), mesh, config)
-    plugin = model.booster.plugin
     booster = Booster(plugin=HybridParallelPlugin(**plugin_kwargs))
     other, other_opt, *_ = booster.boost(via_plugin, torch.optim.AdamW(via_plugin.parameters(), lr=1e-3, eps=1e-6))
+    plugin = booster.plugin
     dp, dp_rank, mb = plugin.dp_size, plugin.dp_rank, local_batch // plugin_kwargs.get("num_microbatches", 1)
     globals_ = [mu.make_batch("llama_lm", local_batch * dp, seed=100 + s) for s in range(steps)]
     local = [{k: v[dp_rank * local_batch:(dp_rank + 1) * local_batch] for k, v in g.items()} for g in globals_]
-    losses = _train_like_paddle(model, opt, local)
+    model, losses = run(via_plan, torch.optim.AdamW(via_plan.parameters(), lr=1e-3, eps=1e-6), local)
+    assert isinstance(model, ParallelizedModel)
     other.train()
     for step, batch in enumerate(local):
         out = booster.execute_pipeline(iter([batch]), other, mu.criterion, other_opt)
@@ -107,13 +123,12 @@ def _compare(mesh, config, plugin_kwargs, steps=2, local_batch=8):
 
 
 def _four_ranks():
-    plan = {"mp_config": {"parallelize_plan": LLAMA_PLAN}}
-    _compare({"pp": 2, "mp": 2}, {**plan, "pp_config": {"split_spec": "model.layers", "accumulate_steps": 2}},
-             dict(tp_size=2, pp_size=2, num_microbatches=2))
-    _compare({"dp": 2, "pp": 2}, {"dp_config": {"sharding_level": 0},
-                                  "pp_config": {"split_spec": {"model.layers.0": SplitPoint.END},
-                                                "accumulate_steps": 2}},
+    _compare(_readme_example, dict(tp_size=2, pp_size=2, num_microbatches=2))
+    _compare(_with({"dp": 2, "pp": 2}, {"pp_config": {"split_spec": {"model.layers.0": SplitPoint.END},
+                                                        "accumulate_steps": 2}}),
              dict(pp_size=2, num_microbatches=2, num_layers_per_stage=[1, 3]))
+    _compare(_with({"dp": 2, "mp": 2}, {"mp_config": {"parallelize_plan": LLAMA_PLAN}}),  # no pipeline
+             dict(tp_size=2, num_microbatches=1))
     with pytest.raises(NotImplementedError, match="sharding_level=1 maps to zero_stage=1"):
         parallelize(mu.build("llama_lm"), config={"dp_config": {"sharding_level": 1}})
     with pytest.raises(ValueError, match="divide_attributes"):  # OPT: no built-in policy, num_heads to divide

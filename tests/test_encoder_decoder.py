@@ -1,6 +1,7 @@
 """Encoder-decoder models (T5: tied `shared` embedding, relative position bias split by heads) train exactly like
 the unsharded model under tp × dp, generate the same greedy tokens with tp=2, and save HF checkpoints that plain
-`from_pretrained` loads."""
+`from_pretrained` loads.
+(`four_ranks` runs in tests/test_seeds.py, one process group for all three files.)"""
 import copy
 
 import pytest
@@ -10,7 +11,6 @@ from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5F
 
 from booster_plugin import Booster, HybridParallelPlugin
 from tests import model_utils as mu
-from tests.dist_utils import run_distributed
 from tests.readme_blocks import readme_block
 
 
@@ -77,7 +77,7 @@ def _readme_example() -> None:
         mu.assert_close(mu.gathered(p, p.data, plugin.tp_group), ref[name].data, f"README T5 param {name}")
 
 
-def _four_ranks(path: str) -> None:
+def four_ranks(path: str) -> None:
     _readme_example()
     mu.check_training("t5_lm", tp_size=2, layers=2)  # dp=2
     mu.check_training("t5_gated_lm", tp_size=2, layers=2)
@@ -88,14 +88,11 @@ def _four_ranks(path: str) -> None:
         mu.check_training(kind, layers=2, pp_size=2, num_microbatches=2)
         # 3 + 3 layers on 4 stages: [2, 2, 1, 1]: stage 1 holds the last encoder and first decoder layer
         mu.check_training(kind, layers=3, pp_size=4, num_microbatches=4, num_layers_per_stage=[2, 2, 1, 1])
-        mu.check_training(kind, layers=3, pp_size=4, num_microbatches=4)  # [1, 2, 2, 1]
+        if kind == "bart_lm":
+            mu.check_training(kind, layers=3, pp_size=4, num_microbatches=4)  # [1, 2, 2, 1]
         if kind != "t5_lm":  # T5 runs this layout in the README example
             mu.check_training(kind, layers=3, tp_size=2, pp_size=2, num_microbatches=2, num_layers_per_stage=[2, 4])
         _checkpoint(kind, f"{path}/{kind}", tp_size=2, pp_size=2, num_microbatches=2)
-
-
-def test_encoder_decoder_tp_pp_dp(tmp_path):
-    run_distributed(4, _four_ranks, str(tmp_path / "t5"))
 
 
 def test_t5_pipeline_refusals():

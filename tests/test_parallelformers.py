@@ -1,6 +1,7 @@
 """Models described only by Parallelformers-style policies (GPT-2: fused q|k|v in reversed Conv1D weights; OPT:
 plain Linear layers) train exactly like the unsharded model under tp, pp and tp × pp; the pipeline split is
-derived from the model; wrong policies are refused with errors that name the fix."""
+derived from the model; wrong policies are refused with errors that name the fix.
+(`four_ranks` runs in tests/test_seeds.py, one process group for all three files.)"""
 import pytest
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.opt.modeling_opt import OPTDecoderLayer
@@ -9,7 +10,6 @@ from shardformer.parallelformers import Layer, Policy, TranslatedPolicy, as_poli
 from shardformer.policies.base import Colwise, Rowwise
 from tests import model_utils as mu
 from tests.readme_blocks import readme_block
-from tests.dist_utils import run_distributed
 
 
 _README: dict = {}
@@ -106,12 +106,8 @@ def test_inexact_replace_arguments_and_foreign_policies_are_refused():
     assert isinstance(as_policy([GPT2BlockPolicy, OPTLayerPolicy]), TranslatedPolicy)
 
 
-def _four_ranks():
+def four_ranks():
     for kind, policy in (("gpt2_lm", GPT2BlockPolicy), ("opt_lm", [OPTLayerPolicy])):
         mu.check_training(kind, tp_size=2, custom_policy=policy)  # dp=2
         mu.check_training(kind, pp_size=4, num_microbatches=4, custom_policy=policy)
         mu.check_training(kind, tp_size=2, pp_size=2, num_microbatches=2, custom_policy=policy)
-
-
-def test_parallelformers_policies_train_exactly():
-    run_distributed(4, _four_ranks)

@@ -1,6 +1,7 @@
 """Paddle-style `parallelize(model, optimizer, mesh, config)`: Llama trained with a Paddle-style loop through a
 parallelize_plan and split_spec equals the HybridParallelPlugin path (built-in LlamaPolicy) and the unsharded
-model; plans that do not map are refused."""
+model; plans that do not map are refused.
+(`four_ranks` runs in tests/test_seeds.py, one process group for all three files.)"""
 import copy
 
 import pytest
@@ -13,7 +14,6 @@ from shardformer.plan import (ColWiseParallel, RowWiseParallel, SequenceParallel
 from shardformer.policies.base import Colwise, Rowwise, VocabEmbedding, VocabHead
 from shardformer.policies.llama import LlamaPolicy
 from tests import model_utils as mu
-from tests.dist_utils import run_distributed
 from tests.readme_blocks import readme_block
 
 LLAMA_PLAN = {
@@ -122,7 +122,7 @@ def _compare(run, plugin_kwargs, steps=2, local_batch=8):
         mu.assert_close(mu.gathered(p, p.data, tp_group), ref[name].data, f"param {name}")
 
 
-def _four_ranks():
+def four_ranks():
     _compare(_readme_example, dict(tp_size=2, pp_size=2, num_microbatches=2))
     _compare(_with({"dp": 2, "pp": 2}, {"pp_config": {"split_spec": {"model.layers.0": SplitPoint.END},
                                                         "accumulate_steps": 2}}),
@@ -134,7 +134,3 @@ def _four_ranks():
     with pytest.raises(ValueError, match="divide_attributes"):  # OPT: no built-in policy, num_heads to divide
         parallelize(mu.build("opt_lm"), mesh={"mp": 2}, config={"mp_config": {"parallelize_plan": {
             "model.decoder.layers.*.self_attn.q_proj": ColWiseParallel()}}})
-
-
-def test_parallelize_llama_equals_the_plugin_path():
-    run_distributed(4, _four_ranks)

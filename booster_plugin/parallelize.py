@@ -37,8 +37,10 @@ _HEAD_COUNTS = ("num_heads", "n_heads", "num_attention_heads", "n_head")
 
 @dataclass
 class PipelineStepOutput:
-    """What a training-mode call of a pipelined model returns: the step's loss (already back-propagated)."""
-    loss: torch.Tensor
+    """What a call of a pipelined model returns: the step's loss (in training already back-propagated; None
+    without labels) and, in evaluation, the merged outputs on the last stage (None elsewhere)."""
+    loss: Optional[torch.Tensor]
+    outputs: Any = None
 
 
 class ParallelizedModel(nn.Module):
@@ -61,11 +63,12 @@ class ParallelizedModel(nn.Module):
         train = self.training and torch.is_grad_enabled()
         if train and self.optimizer is None:
             raise ValueError("Training with a pipeline needs the optimizer: pass it to parallelize().")
-        out = self.booster.execute_pipeline(iter([batch]), self.boosted, _own_loss, self.optimizer if train else None,
-                                            return_loss=True, return_outputs=not train)
+        criterion = _own_loss if train or "labels" in batch else None
+        out = self.booster.execute_pipeline(iter([batch]), self.boosted, criterion, self.optimizer if train else None,
+                                            return_loss=criterion is not None, return_outputs=not train)
         if train:  # backward ran inside the step: a leaf, so that the caller's loss.backward() is a no-op
             return PipelineStepOutput(out["loss"].detach().requires_grad_())
-        return out
+        return PipelineStepOutput(out["loss"], out["outputs"])
 
     def unwrap(self) -> nn.Module:
         return self.boosted.unwrap()

@@ -94,6 +94,16 @@ def test_wrong_policies_are_refused(policy, message):
         translated.set_model(mu.build("gpt2_lm"))
 
 
+def test_replace_modules_gives_modules_the_new_class():
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    class MyMLP(GPT2MLP):
+        pass
+    policy = as_policy(_policy("P", original_layer_class=lambda: GPT2Block, replace_modules=lambda: {"GPT2MLP": MyMLP}))
+    policy.set_model(mu.build("gpt2_lm"))
+    assert all(type(block.mlp) is MyMLP for block in policy.model.transformer.h)
+
+
 def test_inexact_replace_arguments_and_foreign_policies_are_refused():
     bad = _policy("P", original_layer_class=lambda: GPT2Block,
                   replace_arguments=lambda config, ws: {"attn.num_heads": config.n_head // ws + 1})

@@ -113,6 +113,13 @@ def _compare(run, plugin_kwargs, steps=2, local_batch=8):
         torch.stack(ref_losses).mean().backward()
         ref_opt.step()
         mu.assert_close(losses[step], ref_losses[dp_rank].detach(), f"step {step} loss")
+    if plugin.pp_size > 1:  # evaluation: the loss on every stage, the outputs on the last
+        model.eval()
+        with torch.no_grad():
+            out = model(**local[0])
+            expected = mu.microbatch_mean_loss(reference.eval(), local[0], mb)
+        mu.assert_close(out.loss, expected, "eval loss")
+        assert (out.outputs is not None) == plugin.stage_manager.is_last_stage()
     ours, theirs = dict(model.unwrap().named_parameters()), dict(other.unwrap().named_parameters())
     assert ours.keys() == theirs.keys()
     ref = dict(reference.named_parameters())

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin.parallelize import ParallelizedModel, parallelize
+from booster_plugin.parallelize import ParallelizedModel, _sizes, parallelize
+from pipeline import ProcessGroupMesh
 from shardformer.plan import (ColWiseParallel, RowWiseParallel, SequenceParallelBegin, SplitPoint, resolve_plan,
                               resolve_split)
 from shardformer.policies.base import Colwise, Rowwise, VocabEmbedding, VocabHead
@@ -136,6 +137,9 @@ def four_ranks():
              dict(pp_size=2, num_microbatches=2, num_layers_per_stage=[1, 3]))
     _compare(_with({"dp": 2, "mp": 2}, {"mp_config": {"parallelize_plan": LLAMA_PLAN}}),  # no pipeline
              dict(tp_size=2, num_microbatches=1))
+    assert _sizes(ProcessGroupMesh(2, 2, 1)) == (2, 2, 1) and _sizes({"pp": 2}) == (2, 2, 1) and _sizes(None) == (4, 1, 1)
+    with pytest.raises(ValueError, match="needs 8 processes"):
+        _sizes({"dp": 2, "pp": 2, "mp": 2})
     with pytest.raises(NotImplementedError, match="sharding_level=1 maps to zero_stage=1"):
         parallelize(mu.build("llama_lm"), config={"dp_config": {"sharding_level": 1}})
     with pytest.raises(ValueError, match="divide_attributes"):  # OPT: no built-in policy, num_heads to divide

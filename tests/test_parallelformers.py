@@ -3,12 +3,14 @@ plain Linear layers) train exactly like the unsharded model under tp, pp and tp 
 derived from the model; wrong policies are refused with errors that name the fix.
 (`four_ranks` runs in tests/test_seeds.py, one process group for all three files.)"""
 import pytest
+from transformers.models.bart.modeling_bart import BartDecoderLayer, BartEncoderLayer
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.opt.modeling_opt import OPTDecoderLayer
 
 from shardformer.parallelformers import Layer, Policy, TranslatedPolicy, as_policy
 from shardformer.policies.base import Colwise, Rowwise
 from tests import model_utils as mu
+from tests.test_encoder_decoder import bart_config  # noqa: F401  (registers the "bart_lm" builder)
 from tests.readme_blocks import readme_block
 
 
@@ -41,6 +43,41 @@ class OPTLayerPolicy(Policy):
     @staticmethod
     def original_layer_class():
         return OPTDecoderLayer
+
+
+class BartEncoderLayerPolicy(Policy):  # a list of block policies: encoder and decoder layers
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {"self_attn.num_heads": config.encoder_attention_heads // world_size,
+                "encoder_attn.num_heads": config.decoder_attention_heads // world_size}
+
+    @staticmethod
+    def attn_qkv():
+        return [Layer(weight=f"{a}.{x}_proj.weight", bias=f"{a}.{x}_proj.bias", ignore_checker=a == "encoder_attn")
+                for a in ("self_attn", "encoder_attn") for x in "qkv"]
+
+    @staticmethod
+    def attn_out():
+        return [Layer(weight=f"{a}.out_proj.weight", bias=f"{a}.out_proj.bias", ignore_checker=a == "encoder_attn")
+                for a in ("self_attn", "encoder_attn")]
+
+    @staticmethod
+    def mlp_in():
+        return [Layer(weight="fc1.weight", bias="fc1.bias")]
+
+    @staticmethod
+    def mlp_out():
+        return [Layer(weight="fc2.weight", bias="fc2.bias")]
+
+    @staticmethod
+    def original_layer_class():
+        return BartEncoderLayer
+
+
+class BartDecoderLayerPolicy(BartEncoderLayerPolicy):
+    @staticmethod
+    def original_layer_class():
+        return BartDecoderLayer
 
 
 def test_translation_is_the_hand_written_policy():
@@ -116,8 +153,19 @@ def test_inexact_replace_arguments_and_foreign_policies_are_refused():
     assert isinstance(as_policy([GPT2BlockPolicy, OPTLayerPolicy]), TranslatedPolicy)
 
 
+def test_encoder_and_decoder_policies_cover_both_stacks_and_refuse_pp():
+    policy = as_policy([BartEncoderLayerPolicy, BartDecoderLayerPolicy])
+    policy.set_model(mu.build("bart_lm", 2))
+    assert policy.tp_plan["encoder.layers.*.self_attn.q_proj"] == Colwise()
+    assert policy.tp_plan["decoder.layers.*.encoder_attn.out_proj"] == Rowwise()
+    assert "encoder.layers.*.encoder_attn.q_proj" not in policy.tp_plan
+    with pytest.raises(NotImplementedError, match="Use pp_size=1"):
+        policy.set_pipeline_stage_manager(object())
+
+
 def four_ranks():
     for kind, policy in (("gpt2_lm", GPT2BlockPolicy), ("opt_lm", [OPTLayerPolicy])):
         mu.check_training(kind, tp_size=2, custom_policy=policy)  # dp=2
         mu.check_training(kind, pp_size=4, num_microbatches=4, custom_policy=policy)
         mu.check_training(kind, tp_size=2, pp_size=2, num_microbatches=2, custom_policy=policy)
+    mu.check_training("bart_lm", layers=2, tp_size=2, custom_policy=[BartEncoderLayerPolicy, BartDecoderLayerPolicy])

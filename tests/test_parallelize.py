@@ -137,7 +137,8 @@ def four_ranks():
              dict(pp_size=2, num_microbatches=2, num_layers_per_stage=[1, 3]))
     _compare(_with({"dp": 2, "mp": 2}, {"mp_config": {"parallelize_plan": LLAMA_PLAN}}),  # no pipeline
              dict(tp_size=2, num_microbatches=1))
-    assert _sizes(ProcessGroupMesh(2, 2, 1)) == (2, 2, 1) and _sizes({"pp": 2}) == (2, 2, 1) and _sizes(None) == (4, 1, 1)
+    assert _sizes(ProcessGroupMesh(2, 2, 1)) == (2, 2, 1) == _sizes({"pp": 2})
+    assert _sizes(None) == (4, 1, 1)
     with pytest.raises(ValueError, match="needs 8 processes"):
         _sizes({"dp": 2, "pp": 2, "mp": 2})
     with pytest.raises(NotImplementedError, match="sharding_level=1 maps to zero_stage=1"):

@@ -176,8 +176,7 @@ def minimum(plugin, model_cfg, batch: int, seq: int, grad_bytes: int, bucket_byt
     act = mb * seq * model_cfg.hidden_size * 4
     out = {}
     if tp > 1:
-        sm = plugin.stage_manager
-        first, last = sm.is_first_stage(), sm.is_last_stage()
+        first, last = plugin.is_first_stage(), plugin.is_last_stage()
         layers = model_cfg.num_hidden_layers // pp
         tokens = mb * seq
         out["TP fwd: vocab embedding"] = (m, m * act) if first else (0, 0)
@@ -185,8 +184,7 @@ def minimum(plugin, model_cfg, batch: int, seq: int, grad_bytes: int, bucket_byt
         out["TP fwd: vocab-parallel cross-entropy"] = (2 * m, m * (tokens * 4 + 2 * tokens * 4)) if last else (0, 0)
         out["TP bwd: column-parallel input grads"] = ((2 * layers + last) * m, (2 * layers + last) * m * act)
     if pp > 1:
-        sm = plugin.stage_manager
-        first, last = sm.is_first_stage(), sm.is_last_stage()
+        first, last = plugin.is_first_stage(), plugin.is_last_stage()
         links = (not first) + (not last)  # neighbours of this stage
         out["PP: activations"] = (m * links, m * links * act)
         out["PP: activation grads"] = (m * links, m * links * act)
@@ -237,7 +235,7 @@ def worker(out_path: str) -> None:
             measured[cat]["bytes"] += rec["bytes"]
             measured[cat]["sites"][" <- ".join(rec["site"][:2])] += 1
         mins = minimum(plugin, reference.config, C.BATCH, C.SEQ, grad_bytes, BUCKET_BYTES)
-        local = {"stage": plugin.stage_manager.stage, "tp_rank": plugin.tp_rank, "dp_rank": plugin.dp_rank,
+        local = {"stage": plugin.stage, "tp_rank": plugin.tp_rank, "dp_rank": plugin.dp_rank,
                  "measured": {k: {"count": v["count"], "bytes": v["bytes"], "sites": dict(v["sites"])}
                               for k, v in measured.items()},
                  "minimum": {k: {"count": c, "bytes": b} for k, (c, b) in mins.items()},

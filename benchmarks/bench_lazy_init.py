@@ -53,7 +53,7 @@ def _worker(rank: int, world: int, port: int, stages, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         plugin = HybridParallelPlugin(tp_size=TP, pp_size=PP, num_microbatches=PP, precision="bf16")
-        stage, tp_rank = plugin.stage_manager.stage, plugin.tp_rank
+        stage, tp_rank = plugin.stage, plugin.tp_rank
         measured = stage in stages
         baseline_kb = _status_kb("VmRSS")
         baseline_maxrss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -139,9 +139,8 @@ def measure(label, tp, pp, dp, m, reference, batch):
     opt.step()
     state = _bytes(t for s in opt.optim.state.values() for t in s.values() if isinstance(t, torch.Tensor))
     opt.zero_grad()
-    sm = plugin.stage_manager
-    inflight = min(pp - sm.stage, m) if m is not None and pp > 1 else 1
-    out = {"stage": sm.stage, "tp_rank": plugin.tp_rank, "dp_rank": plugin.dp_rank, "params": _bytes(params),
+    inflight = min(pp - plugin.stage, m) if m is not None and pp > 1 else 1
+    out = {"stage": plugin.stage, "tp_rank": plugin.tp_rank, "dp_rank": plugin.dp_rank, "params": _bytes(params),
            "grads": grads, "optimizer": state, "activations_peak": meter.peak, "saved_left_after_backward": leaked,
            "saved_tensors_packed": meter.packed, "inflight_microbatches": inflight,
            "peak_inflight_reported_by_schedule": getattr(plugin.schedule, "peak_inflight_microbatches", None),

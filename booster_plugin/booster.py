@@ -2,27 +2,58 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 from torch import nn
 
-from .checkpoint_io import HybridParallelCheckpointIO
+from .checkpoint import HybridParallelCheckpointIO
 from .plugin import HybridParallelPlugin
 
 
 class Booster:
+    """ColossalAI's Booster. Args:
+        device: accepted for compatibility (the plugin places each rank on its accelerator, else the CPU).
+        mixed_precision: as in ColossalAI, the plugin controls precision; a value here is ignored with a warning
+            (use HybridParallelPlugin(precision="bf16")).
+        plugin: the HybridParallelPlugin; may also be given to `boost(..., plugin=...)`. Without either, `boost`
+            uses HybridParallelPlugin() (data parallel over the whole world).
+    """
+
     def __init__(self, device: Optional[str] = None, mixed_precision: Optional[str] = None,
                  plugin: Optional[HybridParallelPlugin] = None) -> None:
         if mixed_precision is not None:
-            raise ValueError("Set precision on the plugin: HybridParallelPlugin(precision='bf16').")
-        self.plugin = plugin if plugin is not None else HybridParallelPlugin()
+            warnings.warn(f"Booster(mixed_precision={mixed_precision!r}) is ignored: the plugin controls precision; "
+                          f"use HybridParallelPlugin(precision=...).", stacklevel=2)
+        if plugin is not None and not isinstance(plugin, HybridParallelPlugin):
+            raise TypeError(f"plugin must be a HybridParallelPlugin, got {type(plugin).__name__}.")
+        self._plugin = plugin
         self.device = device
 
+    @property
+    def plugin(self) -> HybridParallelPlugin:
+        if self._plugin is None:  # made on first use, so that Booster() may be created before the plugin is known
+            self._plugin = HybridParallelPlugin()
+        return self._plugin
+
     def boost(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-              criterion: Optional[Callable] = None, dataloader=None, lr_scheduler=None):
+              criterion: Optional[Callable] = None, dataloader=None, lr_scheduler=None,
+              plugin: Optional[HybridParallelPlugin] = None):
         """Shard `model` for this rank and wrap the optimizer; returns (model, optimizer, criterion, dataloader,
-        lr_scheduler)."""
+        lr_scheduler).
+
+        Args:
+            plugin: configures a Booster made without one (`booster.boost(model, optimizer, plugin=...)`); an error
+                if the Booster already has a different plugin.
+        """
+        if plugin is not None:
+            if self._plugin is not None and self._plugin is not plugin:
+                raise ValueError("This Booster already has a plugin; pass the plugin either to Booster(plugin=...) or "
+                                 "to boost(..., plugin=...), not a different one to each.")
+            if not isinstance(plugin, HybridParallelPlugin):
+                raise TypeError(f"plugin must be a HybridParallelPlugin, got {type(plugin).__name__}.")
+            self._plugin = plugin
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
         self.checkpoint_io.register_optimizer(boosted[0], boosted[1])  # load_model refreshes its master weights
         return boosted
@@ -51,7 +82,7 @@ class Booster:
             if previous is not None:
                 model.require_grad_sync = previous
 
-    # -- checkpoints (ColossalAI's signatures; see checkpoint_io.py). Collective: call on every rank. ------------
+    # -- checkpoints (ColossalAI's signatures; see checkpoint/). Collective: call on every rank. ------------
     @property
     def checkpoint_io(self) -> HybridParallelCheckpointIO:
         if getattr(self, "_checkpoint_io", None) is None:
@@ -61,30 +92,36 @@ class Booster:
     def save_model(self, model: nn.Module, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
                    prefix: Optional[str] = None, size_per_shard: int = 1024, use_safetensors: bool = False,
                    use_async: bool = False) -> None:
-        """Write the full, unsharded model in Hugging Face format into directory `checkpoint` (atomically):
-        `model.safetensors` (shard=False) or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`
-        (shard=True, files of about `size_per_shard` MB), `config.json`, `generation_config.json`. Always
-        safetensors (`use_safetensors` is accepted and ignored: nothing is ever pickled)."""
+        """Write the full, unsharded model (atomically). `checkpoint` ending in `.safetensors` (or `.pt`/`.bin`)
+        with shard=False: one file there. Any other path: a Hugging Face directory, `model.safetensors` (shard=False)
+        or `model-0000i-of-0000n.safetensors` + index (shard=True, files of about `size_per_shard` MB), with
+        `config.json`. Every tensor carries a CRC32. `use_async=True` returns once the tensors are gathered and
+        copied; the files are written in the background (see `checkpoint_io.synchronize()`)."""
         self.checkpoint_io.save_model(model, checkpoint, shard=shard, gather_dtensor=gather_dtensor, prefix=prefix,
                                       size_per_shard=size_per_shard, use_safetensors=use_safetensors,
                                       use_async=use_async)
 
-    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True) -> None:
-        """Load a Hugging Face safetensors checkpoint (ours or any) into the boosted model of any layout; each rank
-        reads only its slices. Everything is validated first: on any error every rank raises CheckpointError and
-        no parameter changes."""
-        self.checkpoint_io.load_model(model, checkpoint, strict=strict)
+    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True, low_cpu_mem_mode: bool = True,
+                   num_threads: int = 1, *, verify_checksums: bool = True) -> None:
+        """Load a checkpoint (ours, any HF safetensors directory or file, or a `.pt`/`.bin` state dict read with
+        weights_only=True) into the boosted model of any layout; each rank reads only its slices and verifies their
+        checksums. On any error every rank raises CheckpointError and no parameter changes."""
+        self.checkpoint_io.load_model(model, checkpoint, strict=strict, low_cpu_mem_mode=low_cpu_mem_mode,
+                                      num_threads=num_threads, verify_checksums=verify_checksums)
 
     def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
-                       prefix: Optional[str] = None, size_per_shard: int = 1024) -> None:
+                       prefix: Optional[str] = None, size_per_shard: int = 1024, use_async: bool = False) -> None:
         """Write the optimizer state into directory `checkpoint`: one safetensors + JSON per (stage, tp rank),
-        keyed by parameter names, and optimizer.index.json (layout, files)."""
+        keyed by parameter names, and optimizer.index.json (layout, files, checksums)."""
         self.checkpoint_io.save_optimizer(optimizer, checkpoint, shard=shard, gather_dtensor=gather_dtensor,
-                                          prefix=prefix, size_per_shard=size_per_shard)
+                                          prefix=prefix, size_per_shard=size_per_shard, use_async=use_async)
 
-    def load_optimizer(self, optimizer, checkpoint: str) -> None:
-        """Load optimizer state saved by save_optimizer from any layout (re-sharded through the TPSpecs)."""
-        self.checkpoint_io.load_optimizer(optimizer, checkpoint)
+    def load_optimizer(self, optimizer, checkpoint: str, prefix: Optional[str] = None, low_cpu_mem_mode: bool = True,
+                       num_threads: int = 1, *, strict: bool = True, verify_checksums: bool = True) -> None:
+        """Load optimizer state saved by save_optimizer from any layout, param groups matched by parameter name;
+        state for parameters the model lacks is refused (strict=False: skipped with a warning)."""
+        self.checkpoint_io.load_optimizer(optimizer, checkpoint, prefix=prefix, low_cpu_mem_mode=low_cpu_mem_mode,
+                                          num_threads=num_threads, strict=strict, verify_checksums=verify_checksums)
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         """Write the scheduler's state_dict to the JSON file `checkpoint` (rank 0, atomically)."""

@@ -32,6 +32,17 @@ def make_buckets(params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTE
     return buckets
 
 
+@torch.no_grad()
+def _broadcast_params(params: List[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Copy the group's first rank's values of `params` to every rank of it, one broadcast per bucket."""
+    src = dist.get_global_rank(group, 0)
+    for bucket in make_buckets(params):
+        flat = _flatten_dense_tensors([p.data for p in bucket])
+        dist.broadcast(flat, src=src, group=group)
+        for p, synced in zip(bucket, _unflatten_dense_tensors(flat, [p.data for p in bucket])):
+            p.data.copy_(synced)
+
+
 class GradBucket:
     """Gradients of a group of parameters in one flat buffer: one all-reduce, launched as soon as the last of
     them is accumulated in the step's final backward pass, so the reduction overlaps the rest of the backward."""
@@ -77,7 +88,7 @@ class HybridParallelModule(nn.Module):
 
     def __init__(self, module: nn.Module, stage_forward, dp_group: Optional[dist.ProcessGroup],
                  tp_group: Optional[dist.ProcessGroup], pp_group: Optional[dist.ProcessGroup],
-                 shared_params: List[tuple]) -> None:
+                 shared_params: List[tuple], bucket_bytes: int = BUCKET_BYTES) -> None:
         super().__init__()
         self.module = module
         self._stage_forward = stage_forward
@@ -89,7 +100,7 @@ class HybridParallelModule(nn.Module):
         self._buckets: List[GradBucket] = []
         if self.dp_size > 1:  # buckets in reverse order: the backward pass produces the last layers' grads first
             params = [p for p in module.parameters() if p.requires_grad]
-            self._buckets = [GradBucket(b) for b in make_buckets(reversed(params))]
+            self._buckets = [GradBucket(b) for b in make_buckets(reversed(params), bucket_bytes)]
             for bucket in self._buckets:
                 for i, p in enumerate(bucket.params):
                     p.register_post_accumulate_grad_hook(self._grad_ready_hook(bucket, i))
@@ -119,6 +130,23 @@ class HybridParallelModule(nn.Module):
     def unwrap(self) -> nn.Module:
         return self.module
 
+    @torch.no_grad()
+    def full_outputs(self, outputs: Any, loss: Optional[torch.Tensor]) -> Any:
+        """Merged pipeline outputs as one process returns them: vocab-parallel logits gathered over tp (padding
+        stripped) whatever the train/eval mode, and `loss` the step's loss instead of one per microbatch.
+        Collective over tp (the last stage's tp ranks all hold outputs)."""
+        from shardformer.layer import ColumnParallelLinear
+
+        if not isinstance(outputs, dict):
+            return outputs
+        heads = [m for m in self.module.modules() if isinstance(m, ColumnParallelLinear) and m.gather_output_in_eval]
+        logits = outputs.get("logits")
+        if heads and logits is not None and not heads[0].gathers_output:
+            outputs["logits"] = heads[0].gather(logits)
+        if outputs.get("loss") is not None:
+            outputs["loss"] = loss if loss is not None else outputs["loss"].mean()
+        return outputs
+
     def forward(self, *args, **kwargs) -> Any:
         if self._stage_forward is not None:
             return self._stage_forward(*args, **kwargs)
@@ -141,14 +169,13 @@ class HybridParallelModule(nn.Module):
 
     @torch.no_grad()
     def sync_params(self) -> None:
-        """Make replicas identical at start: dp rank 0's parameters, and the first holder's shared parameters."""
+        """Make replicas identical at start: tp rank 0's replicated parameters (norms, biases of row-parallel layers,
+        position embeddings: a model built with another seed on each tp rank would otherwise train diverged copies),
+        dp rank 0's parameters, and the first holder's shared parameters."""
+        if self.tp_group is not None:
+            _broadcast_params([p for p in self.module.parameters() if get_tp_spec(p) is None], self.tp_group)
         if self.dp_size > 1:
-            src = dist.get_global_rank(self.dp_group, 0)
-            for bucket in make_buckets(self.module.parameters()):
-                flat = _flatten_dense_tensors([p.data for p in bucket])
-                dist.broadcast(flat, src=src, group=self.dp_group)
-                for p, synced in zip(bucket, _unflatten_dense_tensors(flat, [p.data for p in bucket])):
-                    p.data.copy_(synced)
+            _broadcast_params(list(self.module.parameters()), self.dp_group)
         for p, group, _ in self.shared_params:
             dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
 
@@ -181,6 +208,7 @@ class HybridParallelOptimizer:
         self.model = model
         self.max_norm = max_norm
         self.tracer = tracer
+        self._grad_norm: Optional[float] = None
         # mixed precision: the optimizer steps fp32 master copies of the (bf16) model parameters
         self.master_of: Dict[int, nn.Parameter] = {}
         self._pairs: List[tuple] = []
@@ -197,7 +225,17 @@ class HybridParallelOptimizer:
                 group["params"] = masters
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.optim, name)
+        optim = self.__dict__.get("optim")
+        try:
+            return getattr(optim, name)
+        except AttributeError:
+            raise AttributeError(f"'HybridParallelOptimizer' object (wrapping {type(optim).__name__}) has no attribute "
+                                 f"{name!r}") from None
+
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> Optional[float]:
+        """The global gradient norm computed by the last step (ColossalAI's semantics: with `max_norm` > 0, the norm
+        before clipping; None before the first step or without clipping)."""
+        return self._grad_norm
 
     def unwrap(self) -> torch.optim.Optimizer:
         return self.optim
@@ -236,7 +274,7 @@ class HybridParallelOptimizer:
             for p, master in self._pairs:
                 master.grad = None if p.grad is None else p.grad.to(master.dtype)
             if self.max_norm > 0:
-                self.clip_grad_norm(self.max_norm)
+                self._grad_norm = float(self.clip_grad_norm(self.max_norm))
             result = self.optim.step(*args, **kwargs)
             with torch.no_grad():
                 for p, master in self._pairs:

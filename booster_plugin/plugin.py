@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from shardformer.parallelformers import as_policy
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sharder import ShardConfig, Sharder
 
+from .colossal_args import check_unacted_args
 from .parallel_module import HybridParallelModule, HybridParallelOptimizer
 
 DP_AXIS, PP_AXIS, TP_AXIS = 0, 1, 2
@@ -32,7 +34,7 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def ensure_distributed() -> None:
+def ensure_distributed(timeout: Optional[float] = None) -> None:
     """Initialize torch.distributed from torchrun's environment unless the user already did (gloo/NCCL by device)."""
     if dist.is_initialized():
         return
@@ -44,11 +46,47 @@ def ensure_distributed() -> None:
     if torch.accelerator.is_available():
         kind = torch.accelerator.current_accelerator().type
         backend = f"cpu:gloo,{kind}:{dist.Backend.default_device_backend_map.get(kind, 'gloo')}"
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, **({"timeout": timedelta(seconds=timeout)} if timeout else {}))
+
+
+def _alias(alias: str, alias_value: Optional[int], name: str, value: int) -> int:
+    """`tp=2` means `tp_size=2` (the design card's spelling); both, differing, is an error."""
+    if alias_value is None:
+        return value
+    if value != 1 and value != alias_value:
+        raise ValueError(f"{alias}={alias_value} and {name}={value} disagree: give one of them.")
+    return alias_value
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
 
 
 class HybridParallelPlugin:
-    """Tensor parallel inside each stage, pipeline across stages, data parallel over the rest of the world."""
+    """Tensor parallel inside each stage, pipeline across stages, data parallel over the rest of the world.
+
+    Takes every argument of ColossalAI 0.5's HybridParallelPlugin by name (those it does not act on are listed in
+    `colossal_args.py`: a speed-only option is accepted with a warning, a result-changing one is refused).
+
+    Args:
+        tp_size, pp_size: tensor- and pipeline-parallel sizes (`tp`, `pp` are aliases); dp = world / (tp * pp).
+        num_microbatches, microbatch_size: at most one; with pp_size > 1 and neither, each step picks the largest
+            divisor of its batch size in [pp_size, 4 * pp_size] as the number of microbatches.
+        precision: "fp32" (default; ColossalAI's default is "fp16") or "bf16" (fp32 master weights).
+        max_norm: clip the global gradient norm (0: off).
+        custom_policy: a `shardformer.Policy` for a model without a built-in one.
+        num_layers_per_stage: the layer split, e.g. [3, 5]; default: even, remainder to the middle stages.
+        parallel_output: keep the LM head's logits vocab-sharded in training (vocab-parallel loss).
+        make_vocab_size_divisible_by: vocabulary padding multiple per tp rank.
+        enable_metadata_cache: send P2P shapes only when they change.
+        ddp_bucket_cap_mb: size of the data-parallel gradient buckets.
+        p2p_transport: "p2p" (batched isend/irecv) or "broadcast".
+        seed: dropout RNG seed (identical masks across tp for replicated activations).
+        trace: record a timeline of the schedule (also HP_TRACE=1).
+        loss_weight_fn: `micro_batch -> number of loss items`, for a token-weighted loss.
+        timeout: seconds a collective may wait before every rank fails (process-group timeout; default torch's).
+    """
 
     def __init__(self, tp_size: int = 1, pp_size: int = 1, num_microbatches: Optional[int] = None,
                  microbatch_size: Optional[int] = None, precision: str = "fp32", zero_stage: int = 0,
@@ -56,15 +94,23 @@ class HybridParallelPlugin:
                  num_layers_per_stage: Optional[Sequence[int]] = None, pp_style: str = "1f1b",
                  num_model_chunks: int = 1, enable_sequence_parallelism: bool = False,
                  parallel_output: bool = True, make_vocab_size_divisible_by: int = 64,
-                 enable_metadata_cache: bool = True, p2p_transport: str = "p2p", seed: int = 1024,
-                 trace: Optional[bool] = None,
-                 loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]] = None,
-                 **unsupported: Any) -> None:
+                 enable_metadata_cache: bool = True, ddp_bucket_cap_mb: float = 25, p2p_transport: str = "p2p",
+                 seed: int = 1024, trace: Optional[bool] = None,
+                 loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]] = None, timeout: Optional[float] = None,
+                 tp: Optional[int] = None, pp: Optional[int] = None, **colossalai_kwargs: Any) -> None:
         # every check before the first collective, so that bad input fails the same way on every rank
-        if unsupported:
-            raise TypeError(f"HybridParallelPlugin does not support {sorted(unsupported)} yet.")
-        if tp_size < 1 or pp_size < 1:
-            raise ValueError(f"tp_size and pp_size must be >= 1, got tp_size={tp_size}, pp_size={pp_size}.")
+        tp_size, pp_size = _alias("tp", tp, "tp_size", tp_size), _alias("pp", pp, "pp_size", pp_size)
+        check_unacted_args(colossalai_kwargs, rank=int(os.environ.get("RANK", "0")) if not dist.is_initialized()
+                           else None)
+        _check_int("tp_size", tp_size, 1)
+        _check_int("pp_size", pp_size, 1)
+        if num_microbatches is not None and microbatch_size is not None:
+            raise ValueError(f"Give at most one of num_microbatches={num_microbatches} and "
+                             f"microbatch_size={microbatch_size}.")
+        if num_microbatches is not None:
+            _check_int("num_microbatches", num_microbatches, 1)
+        if microbatch_size is not None:
+            _check_int("microbatch_size", microbatch_size, 1)
         if precision not in _SUPPORTED_PRECISIONS:
             raise ValueError(f"precision={precision!r} is not supported; use one of {_SUPPORTED_PRECISIONS}.")
         if zero_stage != 0:
@@ -74,16 +120,25 @@ class HybridParallelPlugin:
                                       f"implemented; use pp_style='1f1b' with num_model_chunks=1.")
         if enable_sequence_parallelism:
             raise NotImplementedError("Sequence parallelism is not implemented; use enable_sequence_parallelism=False.")
+        if max_norm < 0:
+            raise ValueError(f"max_norm={max_norm} must be >= 0 (0 turns clipping off).")
+        if ddp_bucket_cap_mb <= 0:
+            raise ValueError(f"ddp_bucket_cap_mb={ddp_bucket_cap_mb} must be > 0.")
+        if p2p_transport not in ("p2p", "broadcast"):
+            raise ValueError(f"p2p_transport={p2p_transport!r}: use 'p2p' or 'broadcast'.")
+        _check_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by, 1)
+        if custom_policy is not None and not isinstance(custom_policy, Policy):
+            raise TypeError(f"custom_policy must be a shardformer.Policy instance, got {type(custom_policy).__name__}"
+                            f" (pass an instance: custom_policy=MyPolicy()).")
         if loss_weight_fn is not None and pp_size == 1 and not (num_microbatches or microbatch_size):
             raise ValueError("loss_weight_fn weighs the microbatches of execute_pipeline: also give num_microbatches "
                              "(or microbatch_size).")
-        if pp_size > 1:
-            if (num_microbatches is None) == (microbatch_size is None):
-                raise ValueError("With pp_size > 1 give exactly one of num_microbatches or microbatch_size.")
-            if num_microbatches is not None and num_microbatches < pp_size:
-                raise ValueError(f"1F1B needs num_microbatches >= pp_size to fill the pipeline: got "
-                                 f"num_microbatches={num_microbatches}, pp_size={pp_size}.")
-        ensure_distributed()
+        if pp_size > 1 and num_microbatches is not None and num_microbatches < pp_size:
+            raise ValueError(f"1F1B needs num_microbatches >= pp_size to fill the pipeline: got "
+                             f"num_microbatches={num_microbatches}, pp_size={pp_size}.")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout={timeout} must be a positive number of seconds.")
+        ensure_distributed(timeout)
         world = dist.get_world_size()
         if world % (tp_size * pp_size):
             raise ValueError(f"World size {world} is not divisible by tp_size * pp_size = {tp_size} * {pp_size}; "
@@ -93,24 +148,46 @@ class HybridParallelPlugin:
         self.precision, self.max_norm, self.custom_policy = precision, max_norm, as_policy(custom_policy)
         self.parallel_output, self.make_vocab_size_divisible_by = parallel_output, make_vocab_size_divisible_by
         self.seed = seed
+        self.bucket_bytes = int(ddp_bucket_cap_mb * 1024 * 1024)
         self.device = default_device()
 
-        self.pg_mesh = ProcessGroupMesh(self.dp_size, pp_size, tp_size)
+        self.pg_mesh = ProcessGroupMesh(self.dp_size, pp_size, tp_size,
+                                        timeout=timedelta(seconds=timeout) if timeout else None)
         self.dp_group = self.pg_mesh.get_group_along_axis(DP_AXIS)
         self.tp_group = self.pg_mesh.get_group_along_axis(TP_AXIS)
-        self.stage_manager = PipelineStageManager(self.pg_mesh, PP_AXIS, num_layers_per_stage=num_layers_per_stage)
-        self.pp_group = self.stage_manager.pp_group
+        self._stage_manager = PipelineStageManager(self.pg_mesh, PP_AXIS, num_layers_per_stage=num_layers_per_stage)
+        self.pp_group = self._stage_manager.pp_group
         self.dp_rank = self.pg_mesh.coordinate[DP_AXIS]
         self.tp_rank = self.pg_mesh.coordinate[TP_AXIS]
         self.schedule = None
+        self.loss_weight_fn = loss_weight_fn
+        # pp > 1 without a microbatch setting: each step picks the number of microbatches from its batch size
+        self.auto_microbatches = pp_size > 1 and num_microbatches is None and microbatch_size is None
         if pp_size > 1 or num_microbatches or microbatch_size:
-            p2p = PipelineP2PCommunication(self.stage_manager, self.device, transport=p2p_transport,
+            p2p = PipelineP2PCommunication(self._stage_manager, self.device, transport=p2p_transport,
                                            enable_metadata_cache=enable_metadata_cache)
-            self.schedule = OneForwardOneBackwardSchedule(self.stage_manager, p2p, num_microbatches, microbatch_size)
+            self.schedule = OneForwardOneBackwardSchedule(
+                self._stage_manager, p2p, pp_size if self.auto_microbatches else num_microbatches, microbatch_size)
             if loss_weight_fn is not None:
                 self.schedule.loss_scales_fn = self._token_weighted_scales(loss_weight_fn)
             if trace if trace is not None else os.environ.get("HP_TRACE", "0") not in ("", "0"):
-                self.schedule.tracer = ScheduleTracer(self.stage_manager.stage, pp_size)
+                self.schedule.tracer = ScheduleTracer(self._stage_manager.stage, pp_size)
+
+    @property
+    def stage_manager(self) -> Optional[PipelineStageManager]:
+        """The pipeline stage manager; None without pipeline parallelism (pp_size == 1), as in ColossalAI."""
+        return self._stage_manager if self.pp_size > 1 else None
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+        return self._stage_manager.stage
+
+    def is_first_stage(self) -> bool:
+        return self._stage_manager.is_first_stage()
+
+    def is_last_stage(self) -> bool:
+        return self._stage_manager.is_last_stage()
 
     def _token_weighted_scales(self, count: Callable[[Dict[str, Any]], Any]):
         """Weigh each microbatch's (mean) loss by its share of the loss items (e.g. label tokens) of the whole
@@ -145,7 +222,7 @@ class HybridParallelPlugin:
             rng_tracker.sync(self.tp_group, self.seed + self.dp_rank)  # same masks across tp, not dp
         shard_config = ShardConfig(
             tensor_parallel_process_group=self.tp_group if self.tp_size > 1 else None,
-            pipeline_stage_manager=self.stage_manager if self.pp_size > 1 else None,
+            pipeline_stage_manager=self.stage_manager,
             parallel_output=self.parallel_output, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
             rng_tracker=rng_tracker)
         sharder = Sharder(model, policy, shard_config)
@@ -160,11 +237,12 @@ class HybridParallelPlugin:
         for names in shared_names:  # every rank creates every group, in the same order
             stages = sorted(names)
             group = self.pg_mesh.get_group_along_axis(PP_AXIS, indices=stages)
-            if self.stage_manager.stage in names:
-                shared.append((params[names[self.stage_manager.stage]], group, self.stage_manager.stage == stages[0]))
+            if self.stage in names:
+                shared.append((params[names[self.stage]], group, self.stage == stages[0]))
         module = HybridParallelModule(model, sharder.stage_forward, self.dp_group if self.dp_size > 1 else None,
                                       self.tp_group if self.tp_size > 1 else None,
-                                      self.pp_group if self.pp_size > 1 else None, shared)
+                                      self.pp_group if self.pp_size > 1 else None, shared,
+                                      bucket_bytes=self.bucket_bytes)
         module.policy, module.full_params = policy, full_params
         module.sync_params()
         if optimizer is not None:
@@ -177,9 +255,23 @@ class HybridParallelPlugin:
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,
                          optimizer: Optional[HybridParallelOptimizer] = None, return_loss: bool = True,
                          return_outputs: bool = False) -> Dict[str, Any]:
+        """One step over microbatches (see Booster.execute_pipeline)."""
         if self.schedule is None:
             raise ValueError("execute_pipeline needs num_microbatches or microbatch_size in HybridParallelPlugin.")
-        return self.schedule.forward_backward_step(model, data_iter, criterion, optimizer, return_loss, return_outputs)
+        try:
+            batch = next(data_iter)
+        except StopIteration:
+            raise ValueError("execute_pipeline got an exhausted data iterator: pass a fresh iter(dataloader) or stop "
+                             "the loop when the dataloader ends.") from None
+        if self.auto_microbatches:
+            self.schedule.num_microbatches = default_num_microbatches(batch, self.pp_size)
+        if self.loss_weight_fn is not None and criterion is not None:
+            criterion = _without_empty_microbatches(criterion, self.loss_weight_fn)
+        result = self.schedule.forward_backward_step(model, iter([batch]), criterion, optimizer, return_loss,
+                                                     return_outputs)
+        if result["outputs"] is not None:
+            result["outputs"] = model.full_outputs(result["outputs"], result["loss"])
+        return result
 
     def write_trace(self, out_dir: str) -> Optional[Dict[str, float]]:
         """Collective: write the recorded schedule timeline (trace.json, timeline.png, bubble.json) from rank 0.
@@ -198,6 +290,33 @@ class HybridParallelPlugin:
                                      seed=seed, drop_last=drop_last)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                           pin_memory=pin_memory, num_workers=num_workers, **kwargs)
+
+
+def default_num_microbatches(batch: Any, pp_size: int) -> int:
+    """Microbatches of a step when none were configured: the largest divisor of the batch size in [pp, 4 * pp]
+    (1F1B needs at least pp; more shrinks the bubble (p-1)/(m+p-1), at the cost of smaller microbatches)."""
+    sizes = [v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0] \
+        if isinstance(batch, Mapping) else []
+    if not sizes:
+        return pp_size  # split_batch explains what is wrong with the batch
+    size = sizes[0]
+    for m in range(min(size, 4 * pp_size), pp_size - 1, -1):
+        if size % m == 0:
+            return m
+    raise ValueError(f"A batch of {size} samples cannot be split into {pp_size} to {4 * pp_size} equal microbatches "
+                     f"for pp_size={pp_size}: use a batch size with such a divisor (e.g. {2 * pp_size}) or set "
+                     f"num_microbatches / microbatch_size.")
+
+
+def _without_empty_microbatches(criterion: Callable, count: Callable[[Dict[str, Any]], Any]) -> Callable:
+    """With a token-weighted loss a microbatch without loss items weighs 0, as in one process on the whole batch:
+    its (nan, 0/0) mean loss is replaced by 0, which also gives it zero gradients."""
+
+    def weighted(outputs, micro_batch):
+        loss = criterion(outputs, micro_batch)
+        return loss if float(count(micro_batch)) > 0 else torch.where(torch.isnan(loss), 0.0, loss)
+
+    return weighted
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: Dict[int, list], params: Dict[str, nn.Parameter]) -> None:

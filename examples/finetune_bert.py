@@ -27,7 +27,7 @@ def accuracy(booster, plugin, args, model, criterion, dataloader) -> float:
         batch = {k: v.to(plugin.device) for k, v in batch.items()}
         if uses_pipeline(args):  # forward only: no_grad makes execute_pipeline skip the backward passes
             out = booster.execute_pipeline(iter([batch]), model, criterion, return_loss=True, return_outputs=True)
-            logits = out["outputs"].logits if plugin.stage_manager.is_last_stage() else None
+            logits = out["outputs"].logits if plugin.is_last_stage() else None
         else:
             logits = model(**batch).logits
         if logits is not None and plugin.tp_rank == 0:  # one count per data-parallel replica

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from datetime import timedelta
 from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
@@ -16,7 +17,7 @@ class ProcessGroupMesh:
     and cached, so asking again is free.
     """
 
-    def __init__(self, *sizes: int) -> None:
+    def __init__(self, *sizes: int, timeout: Optional[timedelta] = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ProcessGroupMesh needs torch.distributed to be initialized first.")
         world = dist.get_world_size()
@@ -26,6 +27,7 @@ class ProcessGroupMesh:
         self.rank = dist.get_rank()
         self.coordinate: Tuple[int, ...] = self.unravel(self.rank)
         self._groups: Dict[Tuple[int, ...], ProcessGroup] = {}
+        self.timeout = timeout  # of the groups' collectives; None: the default group's
 
     def size(self, axis: int) -> int:
         return self.shape[axis]
@@ -58,8 +60,13 @@ class ProcessGroupMesh:
         """The cached group of exactly `ranks`. Collective: every rank must call it with the same `ranks`."""
         ranks = tuple(sorted(ranks))
         if ranks not in self._groups:
-            self._groups[ranks] = dist.new_group(list(ranks))
+            self._groups[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
         return self._groups[ranks]
+
+    @staticmethod
+    def get_ranks_in_group(group: ProcessGroup) -> Tuple[int, ...]:
+        """Global ranks of `group`, in group-rank order (ColossalAI's name)."""
+        return tuple(dist.get_process_group_ranks(group))
 
     def get_group_along_axis(self, axis: int, indices=None) -> Optional[ProcessGroup]:
         """This rank's group along `axis` (only the ranks at `indices` along it, if given).

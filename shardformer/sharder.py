@@ -64,8 +64,8 @@ class Sharder:
         A model built under `torch.device("meta")` costs no memory; after `shard()` only this rank's shard is left,
         so allocating here keeps the peak near the shard's size. With `init`, the new tensors are initialized with
         the model's own `_init_weights` (HF's scheme; tensor-parallel layers through a native-class view of their
-        shard, vocab padding zeroed; buffers such as rotary `inv_freq` recomputed); replicated parameters are then
-        broadcast from tp rank 0 so tp ranks agree (the plugin's sync_params does the same over dp and stages).
+        shard, vocab padding zeroed; buffers such as rotary `inv_freq` recomputed). Replicated parameters differ
+        between tp ranks here: the plugin's `sync_params` then broadcasts them over tp (and everything over dp).
         Non-meta tensors are left untouched. Returns the number of bytes allocated; 0 when nothing was on meta.
         """
         device = torch.device(device)
@@ -92,12 +92,6 @@ class Sharder:
         materialized = {id(t) for t in new_of.values()}
         if init:
             self._init_materialized(materialized, device)
-        group = self.shard_config.tensor_parallel_process_group
-        if group is not None and dist.get_world_size(group) > 1:
-            src = dist.get_global_rank(group, 0)
-            for p in self.model.parameters():  # same order on every tp rank of a stage
-                if id(p) in materialized and get_tp_spec(p) is None:
-                    dist.broadcast(p.data, src=src, group=group)
         return sum(t.numel() * t.element_size() for t in new_of.values())
 
     def _init_materialized(self, materialized, device) -> None:

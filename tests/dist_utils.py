@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -35,19 +36,29 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
             dist.destroy_process_group()
 
 
-def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any) -> None:
-    """Spawn `world_size` gloo ranks running `fn(*args)`; fail with the ranks' tracebacks if any rank fails."""
+def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 480) -> None:
+    """Spawn `world_size` gloo ranks running `fn(*args)`; fail with the ranks' tracebacks if any rank fails, and
+    kill them all if they have not finished after `timeout` seconds (a hang fails the test instead of CI)."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors)) for r in range(world_size)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if any(p.exitcode not in (None, 0) for p in procs):  # a rank failed: the others get 30 s to report theirs
+            deadline = min(deadline, time.monotonic() + 30)
+        time.sleep(0.05)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
-        p.join()
+        if p.is_alive():
+            p.kill()
+            p.join()
     failures = []
     while not errors.empty():
         failures.append(errors.get())
-    if failures or any(p.exitcode != 0 for p in procs):
+    if failures or hung or any(p.exitcode != 0 for p in procs):
         msgs = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures))
-        raise AssertionError(f"distributed test failed (exit codes {[p.exitcode for p in procs]}):\n{msgs}")
+        stuck = f"; ranks {hung} hung and were killed" if hung else ""
+        raise AssertionError(f"distributed test failed (exit codes {[p.exitcode for p in procs]}{stuck}):\n{msgs}")

@@ -2,11 +2,17 @@
 layout, exact resume of training (model + optimizer + scheduler), optimizer state re-sharded across layouts,
 lazy (meta-device) init, clear errors that change nothing, and saves that survive a crash.
 
+Also: per-tensor checksums (a flipped byte is refused), optimizer param groups matched by parameter name, state
+for parameters the model lacks refused, background (use_async) saves, and single-file saves.
+
 One world-4 gloo group runs every case (spawning costs seconds)."""
+import argparse
 import copy
 import json
 import os
 import shutil
+import struct
+import threading
 
 import pytest
 import torch
@@ -16,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2LMHeadModel
 
 from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin import checkpoint_io
+from booster_plugin.checkpoint import format as ckpt_format
 from booster_plugin.checkpoint_io import CheckpointError
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
@@ -77,11 +83,8 @@ def _check_logits(plugin, booster, model, reference, kind, what):
     with torch.no_grad():
         out = booster.execute_pipeline(iter([batch]), model, mu.criterion, return_loss=True, return_outputs=True)
         expected = reference(**batch).logits
-    if plugin.stage_manager.is_last_stage():
-        logits = out["outputs"]["logits"]
-        if logits.shape[-1] != expected.shape[-1]:
-            logits = mu.gather_logits(logits, plugin.tp_group, expected.shape[-1])
-        mu.assert_close(logits, expected, f"{what} logits")
+    if plugin.is_last_stage():
+        mu.assert_close(out["outputs"]["logits"], expected, f"{what} logits")
     model.train()
 
 
@@ -248,7 +251,7 @@ class _Crash(BaseException):
 
 
 def _crash_mid_save(root, saved):
-    real_writer = checkpoint_io._write_safetensors
+    real_writer = ckpt_format.write_safetensors
     path = os.path.join(root, "crash")
     parent, name = os.path.split(path)
     partial = os.path.join(parent, f".{name}.partial")
@@ -267,12 +270,12 @@ def _crash_mid_save(root, saved):
             raise OSError(28, "No space left on device")
         return real_writer(*args, **kwargs)
 
-    checkpoint_io._write_safetensors = failing_writer
+    ckpt_format.write_safetensors = failing_writer
     try:
         with pytest.raises(CheckpointError, match="No space left on device"):
             booster2.save_model(model2, path, shard=True, size_per_shard=0.02)
     finally:
-        checkpoint_io._write_safetensors = real_writer
+        ckpt_format.write_safetensors = real_writer
     _barrier()
     assert not os.path.exists(partial), "a failed save must remove its partial directory"
     booster2.load_model(model2, path)
@@ -285,12 +288,12 @@ def _crash_mid_save(root, saved):
         real_writer(*args, **kwargs)
         raise _Crash()
 
-    checkpoint_io._write_safetensors = crashing_writer
+    ckpt_format.write_safetensors = crashing_writer
     try:
         with pytest.raises(_Crash):
             booster3.save_model(model3, path, shard=True, size_per_shard=0.02)
     finally:
-        checkpoint_io._write_safetensors = real_writer
+        ckpt_format.write_safetensors = real_writer
     _barrier()
     assert os.path.isdir(partial) and os.listdir(partial), "the simulated crash should leave a partial directory"
     assert not any(f.endswith(".index.json") for f in os.listdir(partial))
@@ -410,6 +413,187 @@ def _lr_scheduler_json(root):
     assert not os.path.exists(os.path.join(root, "sched-bad.json"))
 
 
+# -- 8. checksums: a flipped byte inside a tensor is refused, naming file and tensor -------------------------------
+def _flip_byte(path, key):
+    """Flip one bit in the middle of tensor `key`'s data (the header stays valid)."""
+    with open(path, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        start, end = json.loads(f.read(length))[key]["data_offsets"]
+        pos = 8 + length + (start + end) // 2
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def _checksums(root, saved):
+    good = saved[("gpt2_lm", 2, 2)]  # sharded, with an index
+    bad = os.path.join(root, "bad-flipped")
+    key = "transformer.h.3.mlp.c_proj.weight"  # held by stage 1 only: stage 0 learns it through the agreement
+    with open(os.path.join(good, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    victim = index["weight_map"][key]
+    assert set(index["checksums"]["tensors"]) == set(index["weight_map"]), "the index records every tensor's crc32"
+    with safe_open(os.path.join(good, victim), "pt") as f:
+        assert key in json.loads(f.metadata()["crc32"]), "the file's metadata records its tensors' crc32s"
+    if dist.get_rank() == 0:
+        shutil.copytree(good, bad)
+        _flip_byte(os.path.join(bad, victim), key)
+    _barrier()
+    plugin, booster, model, *_ = _boost("gpt2_lm", 2, 2, seed=1)
+    before = _snapshot(model)
+    with pytest.raises(CheckpointError, match=rf"{victim}: tensor '{key}' fails its checksum"):
+        booster.load_model(model, bad)
+    _assert_unchanged(model, before, "flipped byte")
+    # the fast path skips verification: the flipped value is loaded as is
+    booster.load_model(model, bad, verify_checksums=False)
+    reference = mu.build("gpt2_lm", seed=0)
+    _assert_params_equal(plugin, model, reference, "verify_checksums=False", skip={key})
+    # several verification threads find it too
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        booster.load_model(model, bad, num_threads=2)
+
+
+# -- 9. optimizer: param groups matched by name, state for unknown parameters refused --------------------------------
+def _two_groups(model, swapped=False, lrs=(1e-3, 2e-3), decays=(0.1, 0.0)):
+    """AdamW with group 'decay' (weights) and 'no_decay' (biases, norms); `swapped`: listed in the other order."""
+    params = list(model.named_parameters())
+    decay = [p for n, p in params if n.endswith("weight") and "ln_" not in n]
+    no_decay = [p for n, p in params if not (n.endswith("weight") and "ln_" not in n)]
+    groups = [{"params": decay, "lr": lrs[0], "weight_decay": decays[0]},
+              {"params": no_decay, "lr": lrs[1], "weight_decay": decays[1]}]
+    return torch.optim.AdamW(groups[::-1] if swapped else groups, eps=1e-6)
+
+
+def _boost_with(kind, layers, make_optimizer, tp=2, pp=2):
+    plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=2)
+    booster = Booster(plugin=plugin)
+    model = mu.build(kind, layers=layers, seed=0)
+    model, opt, *_ = booster.boost(model, make_optimizer(model))
+    return plugin, booster, model, opt
+
+
+def _optimizer_groups(root):
+    path = os.path.join(root, "opt-groups")
+    plugin, booster, model, opt = _boost_with("gpt2_lm", 4, _two_groups)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.optim, lambda step: 1.0)
+    _train_steps(plugin, booster, model, opt, sched, "gpt2_lm", 1, first=0)
+    booster.save_optimizer(opt, path, use_async=True)  # the load below waits for it
+    is_decay = {n: n.endswith("weight") and "ln_" not in n for n, _ in model.unwrap().named_parameters()}
+
+    # swapped membership: each group gets the hyperparameters of the group its parameters were saved in
+    plugin2, booster2, model2, opt2 = _boost_with("gpt2_lm", 4, lambda m: _two_groups(m, swapped=True, lrs=(5e-3, 5e-3),
+                                                                                     decays=(0.5, 0.5)))
+    booster2.load_optimizer(opt2, path)
+    names = {id(p): n for n, p in model2.unwrap().named_parameters()}
+    for group in opt2.optim.param_groups:
+        for p in group["params"]:
+            expected = (1e-3, 0.1) if is_decay[names[id(p)]] else (2e-3, 0.0)
+            assert (group["lr"], group["weight_decay"]) == expected, (names[id(p)], group["lr"], group["weight_decay"])
+            assert torch.equal(opt2.optim.state[p]["step"], torch.tensor(1.0))
+    # one group holding parameters saved in groups with different hyperparameters: refused, nothing changed
+    plugin3, booster3, model3, opt3 = _boost_with("gpt2_lm", 4, lambda m: torch.optim.AdamW(m.parameters(), lr=7e-3))
+    with pytest.raises(CheckpointError, match="groups with different hyperparameters"):
+        booster3.load_optimizer(opt3, path)
+    assert opt3.optim.param_groups[0]["lr"] == 7e-3 and not opt3.optim.state
+
+    # a 4-layer model's state into a 2-layer model: refused; strict=False warns naming them and loads the rest
+    plugin4, booster4, model4, opt4 = _boost_with("gpt2_lm", 2, _two_groups)
+    with pytest.raises(CheckpointError, match=r"state for \d+ parameter\(s\) the model does not have: .*transformer\.h\.2"):
+        booster4.load_optimizer(opt4, path)
+    assert not opt4.optim.state
+    with pytest.warns(UserWarning, match=r"the model does not have: .*transformer\.h\.[23]"):
+        booster4.load_optimizer(opt4, path, strict=False)
+    for group in opt4.optim.param_groups:
+        for p in group["params"]:
+            assert torch.equal(opt4.optim.state[p]["step"], torch.tensor(1.0))
+
+    # a flipped byte in an optimizer file is refused too
+    bad = os.path.join(root, "opt-groups-flipped")
+    if dist.get_rank() == 0:
+        shutil.copytree(path, bad)
+        _flip_byte(os.path.join(bad, "optimizer-pp001-tp001.safetensors"), "transformer.h.3.mlp.c_fc.weight/exp_avg")
+    _barrier()
+    with pytest.raises(CheckpointError, match=r"optimizer-pp001-tp001.safetensors: tensor "
+                                              r"'transformer.h.3.mlp.c_fc.weight/exp_avg' fails its checksum"):
+        booster2.load_optimizer(opt2, bad)
+
+
+# -- 10. use_async: the call returns before the files exist; a later call or synchronize() completes them -----------
+def _async_saves(root):
+    path = os.path.join(root, "async")
+    reference = mu.build("gpt2_lm", seed=0)
+    plugin, booster, model, *_ = _boost("gpt2_lm", 2, 2, reference=reference)
+    real_writer = ckpt_format.write_safetensors
+    release = threading.Event()
+
+    def held_writer(*args, **kwargs):
+        assert threading.current_thread() is not threading.main_thread(), "use_async must write in the background"
+        release.wait(60)
+        return real_writer(*args, **kwargs)
+
+    ckpt_format.write_safetensors = held_writer
+    try:
+        booster.save_model(model, path, shard=True, size_per_shard=0.02, use_async=True)
+        assert not os.path.exists(path), "save_model(use_async=True) must return before the checkpoint is complete"
+        with torch.no_grad():  # training goes on: the checkpoint keeps the values at the call
+            for p in model.unwrap().parameters():
+                p.add_(1.0)
+        _barrier()
+        release.set()
+        booster.checkpoint_io.synchronize()
+    finally:
+        ckpt_format.write_safetensors = real_writer
+    assert os.path.isdir(path) and not os.path.exists(os.path.join(os.path.dirname(path), ".async.partial"))
+    plugin2, booster2, model2, *_ = _boost("gpt2_lm", 4, 1, seed=1)
+    booster2.load_model(model2, path)
+    _assert_params_equal(plugin2, model2, reference, "async save")
+
+    # a background write that fails: synchronize raises on every rank, the previous checkpoint stays loadable
+    def failing_writer(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    ckpt_format.write_safetensors = failing_writer
+    try:
+        booster.save_model(model, path, shard=True, size_per_shard=0.02, use_async=True)
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            booster.checkpoint_io.synchronize()
+    finally:
+        ckpt_format.write_safetensors = real_writer
+    booster2.load_model(model2, path)
+    _assert_params_equal(plugin2, model2, reference, "after a failed async save")
+
+
+# -- 11. shard=False with a file path: one file there -----------------------------------------------------------------
+def _single_file(root):
+    reference = mu.build("llama_lm", seed=0)
+    plugin, booster, model, *_ = _boost("llama_lm", 2, 2, reference=reference)
+    expected = {n for n, _ in reference.named_parameters()}
+    for name in ("single/model.safetensors", "single/model.pt"):
+        path = os.path.join(root, name)
+        booster.save_model(model, path, use_async=name.endswith(".pt"))
+        booster.checkpoint_io.synchronize()
+        assert os.path.isfile(path), path
+        if dist.get_rank() == 0:
+            state = (load_file(path) if path.endswith(".safetensors") else torch.load(path, weights_only=True))
+            assert set(state) == expected, set(state) ^ expected
+            for n, p in reference.named_parameters():
+                assert torch.equal(state[n], p.data), f"{name}: {n}"
+        plugin2, booster2, model2, *_ = _boost("llama_lm", 4, 1, seed=1)
+        booster2.load_model(model2, path)
+        _assert_params_equal(plugin2, model2, reference, f"single file {name}")
+    assert sorted(os.listdir(os.path.join(root, "single"))) == ["model.pt", "model.safetensors"]
+    with pytest.raises(ValueError, match="shard=True writes a directory"):
+        booster.save_model(model, os.path.join(root, "single/x.safetensors"), shard=True)
+    # a .pt holding more than plain tensors is refused by torch.load(weights_only=True): no pickle code runs
+    evil = os.path.join(root, "evil.pt")
+    if dist.get_rank() == 0:
+        torch.save({"model.embed_tokens.weight": torch.zeros(1), "extra": argparse.Namespace(a=1)}, evil)
+    _barrier()
+    with pytest.raises(CheckpointError, match=r"evil.pt is corrupted or not a state dict of tensors"):
+        booster.load_model(model, evil)
+
+
 def _four_ranks(root):
     saved = _save_from_layouts(root)
     _load_across_layouts(root, saved)
@@ -419,6 +603,10 @@ def _four_ranks(root):
     _resume(root)
     _optimizer_across_layouts(root)
     _lr_scheduler_json(root)
+    _checksums(root, saved)
+    _optimizer_groups(root)
+    _async_saves(root)
+    _single_file(root)
 
 
 def test_checkpoints_four_ranks(tmp_path):

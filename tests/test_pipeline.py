@@ -1,5 +1,4 @@
-"""Pipeline × data parallel training equals single-process training (GPT-2 with tied embeddings, Llama), and
-bad input fails clearly on every rank before any collective."""
+"""Pipeline × data parallel training equals single-process training (GPT-2 with tied embeddings, Llama)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -120,7 +119,6 @@ def _two_ranks(tmp_dir: str):
     _check_bf16_keeps_fp32_master_weights("gpt2_lm")  # its position-embedding stand-in follows the dtype
     _check_trace(tmp_dir)
     _check_policy_reports_what_the_stage_holds()
-    _check_bad_input()
 
 
 def _check_memory_promise():
@@ -149,30 +147,6 @@ def _check_policy_reports_what_the_stage_holds():
     assert held == {id(m) for m in expected}
     assert [{s: id(p) for s, p in d.items()} for d in policy.get_shared_params()] == [{s: id(p) for s, p in shared.items()}]
     assert policy.shared_param_names() == [{0: "transformer.wte.weight", 1: "lm_head.weight"}]
-
-
-def _check_bad_input():
-    """Each error is raised on every rank before any collective: afterwards the group still works."""
-    with pytest.raises(ValueError, match="World size 2 is not divisible by tp_size \\* pp_size = 1 \\* 4"):
-        HybridParallelPlugin(pp_size=4, num_microbatches=4)
-    with pytest.raises(ValueError, match="num_microbatches >= pp_size"):
-        HybridParallelPlugin(pp_size=2, num_microbatches=1)
-    with pytest.raises(ValueError, match="exactly one of num_microbatches or microbatch_size"):
-        HybridParallelPlugin(pp_size=2)
-    with pytest.raises(ValueError, match="loss_weight_fn weighs the microbatches"):
-        HybridParallelPlugin(loss_weight_fn=len)
-    with pytest.raises(ValueError, match="Cannot split 1 layers over 2 pipeline stages"):
-        Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2)).boost(mu.build("gpt2_lm", layers=1))
-    with pytest.raises(ValueError, match="num_layers_per_stage=\\[3, 3\\]"):
-        Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2, num_layers_per_stage=[3, 3])).boost(
-            mu.build("gpt2_lm"))
-    with pytest.raises(NotImplementedError, match="Supported models: .*GPT2LMHeadModel.*custom_policy="):
-        Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2)).boost(torch.nn.Linear(2, 2))
-    booster = Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=4))
-    model, *_ = booster.boost(mu.build("gpt2_lm"))
-    with pytest.raises(ValueError, match="Batch size 6 is not divisible into num_microbatches=4"):
-        booster.execute_pipeline(iter([mu.make_batch("gpt2_lm", 6, 0)]), model, mu.criterion)
-    dist.barrier()  # nobody is stuck in a collective
 
 
 def test_pipeline_two_ranks(tmp_path):

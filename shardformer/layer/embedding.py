@@ -81,6 +81,12 @@ class VocabParallelEmbedding(UnshardedStateDict, nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         if self.tp_size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
+        # the lookup below masks ids other ranks own, so an id outside the vocabulary would silently embed as zeros;
+        # every tp rank holds the same ids and raises the same error (as nn.Embedding would) before the all-reduce
+        if bool(((ids < 0) | (ids >= self.num_embeddings)).any()):
+            bad = ids[(ids < 0) | (ids >= self.num_embeddings)][0]
+            raise IndexError(f"Token id {int(bad)} is outside the vocabulary [0, {self.num_embeddings}) of the "
+                             f"embedding: check the tokenizer against the model's vocab_size.")
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self.local_padding_idx)

@@ -134,8 +134,15 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
             x = copy_to_tp(x, self.tp_group)
         weight = self.weight.t() if self.is_conv1d else self.weight
         out = F.linear(x, weight, self.bias)
-        if not (self.gather_output or (self.gather_output_in_eval and not self.training)):
-            return out
+        return self.gather(out) if self.gathers_output else out
+
+    @property
+    def gathers_output(self) -> bool:
+        """Does forward return the full output (else this rank's columns)?"""
+        return self.gather_output or (self.gather_output_in_eval and not self.training)
+
+    def gather(self, out: Tensor) -> Tensor:
+        """The full, unpadded output (fused areas in their native order) from every rank's columns `out`."""
         out = gather_from_tp(out, -1, self.tp_group)
         if self.n_fused > 1 and self.tp_size > 1:
             # [a0 b0 c0 | a1 b1 c1 | ...] -> [a0 a1 ... | b0 b1 ... | c0 c1 ...]

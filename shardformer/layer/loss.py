@@ -18,6 +18,16 @@ def _all_reduce(x: Tensor, group: ProcessGroup | None, op: dist.ReduceOp = dist.
     return x
 
 
+def _check_targets(target: Tensor, ignore_index: int, vocab_size: int) -> None:
+    """Refuse targets outside [0, vocab_size) as F.cross_entropy does; every tp rank holds the same targets, so each
+    raises the same error before the first collective (masking them would train on garbage)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    if bool(bad.any()):
+        value = int(target[bad][0])
+        raise IndexError(f"Target {value} is out of bounds: labels must lie in [0, {vocab_size}) (the vocabulary) or "
+                         f"equal ignore_index={ignore_index}. Check the tokenizer and the model's vocab_size.")
+
+
 class _VocabParallelCE(torch.autograd.Function):
     """Per-token cross entropy of (N, V_local) fp32 logits; gradient softmax - onehot on the local shard."""
 
@@ -25,6 +35,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits: Tensor, target: Tensor, group, vocab_start: int, vocab_size: int | None,
                 ignore_index: int) -> Tensor:
         n_local = logits.size(-1)
+        _check_targets(target, ignore_index, vocab_size if vocab_size is not None else n_local * get_tp_world_size(group))
         x = logits.float()
         if vocab_size is not None and vocab_start + n_local > vocab_size:
             padded = torch.arange(vocab_start, vocab_start + n_local, device=x.device) >= vocab_size
@@ -51,7 +62,8 @@ class _VocabParallelCE(torch.autograd.Function):
         grad = softmax.clone()
         rows = torch.arange(grad.size(0), device=grad.device)
         grad[rows, local_target] -= owned.to(grad.dtype)
-        grad.mul_((grad_loss * valid).unsqueeze(-1))
+        # where, not a product: a mean over zero targets has an infinite grad_loss, whose ignored rows get 0 (torch)
+        grad.mul_(torch.where(valid, grad_loss, 0.0).unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None, None, None
 
 

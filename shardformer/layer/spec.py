@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, List, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -10,8 +11,8 @@ from torch.distributed import ProcessGroup
 
 from .comm import get_tp_world_size
 
-__all__ = ["TPSpec", "set_tp_spec", "get_tp_spec", "padded_size", "shard_tensor", "gather_tensor", "shard_parameter",
-           "UnshardedStateDict"]
+__all__ = ["TPSpec", "set_tp_spec", "get_tp_spec", "padded_size", "ShardRange", "shard_ranges", "shard_from",
+           "shard_tensor", "unshard", "gather_tensor", "shard_parameter", "UnshardedStateDict"]
 
 
 @dataclass
@@ -45,15 +46,49 @@ def padded_size(size: int, world: int, multiple: int = 1) -> int:
     return -(-size // step) * step
 
 
-def _pad(full: Tensor, dim: int, target: int) -> Tensor:
-    extra = target - full.size(dim)
-    if extra < 0:
-        raise ValueError(f"tensor has {full.size(dim)} entries along dim {dim}, more than the padded size {target}")
-    if extra == 0:
-        return full
-    shape = list(full.shape)
-    shape[dim] = extra
-    return torch.cat([full, full.new_zeros(shape)], dim=dim)
+class ShardRange(NamedTuple):
+    """Entries [start, stop) of the full tensor along the split dim that a rank holds in one fused area, followed
+    in its shard by `padding` zero entries (vocab padding)."""
+
+    start: int
+    stop: int
+    padding: int
+
+
+def shard_ranges(spec: TPSpec, size: int, rank: int, world: int) -> List[ShardRange]:
+    """What `rank` of `world` holds of a full tensor with `size` entries along `spec.dim` (unpadded, or already
+    padded), one ShardRange per fused area. The one definition of the shard / padding layout."""
+    total = size
+    if spec.full_size is not None:
+        total = spec.padded or padded_size(spec.full_size, world)
+        if size > total:
+            raise ValueError(f"tensor has {size} entries along dim {spec.dim}, more than the padded size {total}")
+    if total % (spec.n_fused * world):
+        raise ValueError(f"size {total} along dim {spec.dim} is not divisible by n_fused={spec.n_fused} * "
+                         f"world={world}")
+    area = total // spec.n_fused
+    step = area // world
+    out = []
+    for a in range(spec.n_fused):
+        lo = a * area + rank * step
+        start, stop = min(lo, size), min(lo + step, size)
+        out.append(ShardRange(start, stop, step - (stop - start)))
+    return out
+
+
+def shard_from(read: Callable[[int, int], Tensor], size: int, dim: int, spec: TPSpec, rank: int,
+               world: int) -> Tensor:
+    """This rank's shard, built from `read(start, stop)` (entries [start, stop) of the full tensor along `dim`,
+    which has `size` of them) and zero padding: a new contiguous tensor."""
+    parts = []
+    for r in shard_ranges(spec, size, rank, world):
+        part = read(r.start, r.stop)
+        parts.append(part)
+        if r.padding:
+            shape = list(part.shape)
+            shape[dim] = r.padding
+            parts.append(part.new_zeros(shape))
+    return torch.cat(parts, dim=dim)
 
 
 def shard_tensor(full: Tensor, spec: TPSpec, rank: int, world: int) -> Tensor:
@@ -63,31 +98,28 @@ def shard_tensor(full: Tensor, spec: TPSpec, rank: int, world: int) -> Tensor:
     """
     full = full.detach()
     dim = spec.dim % full.dim()
+    return shard_from(lambda lo, hi: full.narrow(dim, lo, hi - lo), full.size(dim), dim, spec, rank, world)
+
+
+def unshard(parts: Sequence[Tensor], spec: TPSpec) -> Tensor:
+    """The full, unpadded tensor from every rank's shard, in rank order (inverse of shard_tensor)."""
+    dim = spec.dim % parts[0].dim()
+    step = parts[0].size(dim) // spec.n_fused
+    full = torch.cat([p.narrow(dim, a * step, step) for a in range(spec.n_fused) for p in parts], dim=dim)
     if spec.full_size is not None:
-        full = _pad(full, dim, spec.padded or padded_size(spec.full_size, world))
-    size = full.size(dim)
-    if size % (spec.n_fused * world):
-        raise ValueError(f"size {size} along dim {dim} is not divisible by n_fused={spec.n_fused} * world={world}")
-    area = size // spec.n_fused
-    step = area // world
-    return torch.cat([full.narrow(dim, a * area + rank * step, step) for a in range(spec.n_fused)], dim=dim)
+        full = full.narrow(dim, 0, spec.full_size)
+    return full.contiguous()
 
 
 def gather_tensor(local: Tensor, spec: TPSpec, group: ProcessGroup | None) -> Tensor:
     """Reassemble the full, unpadded tensor from every rank's shard (inverse of shard_tensor)."""
     local = local.detach().contiguous()
-    dim = spec.dim % local.dim()
     world = get_tp_world_size(group)
     if world == 1:
-        parts = [local]
-    else:
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local, group=group)
-    step = local.size(dim) // spec.n_fused
-    full = torch.cat([p.narrow(dim, a * step, step) for a in range(spec.n_fused) for p in parts], dim=dim)
-    if spec.full_size is not None:
-        full = full.narrow(dim, 0, spec.full_size).contiguous()
-    return full
+        return unshard([local], spec)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local, group=group)
+    return unshard(parts, spec)
 
 
 def shard_parameter(param: Tensor, spec: TPSpec | None, rank: int, world: int) -> nn.Parameter:

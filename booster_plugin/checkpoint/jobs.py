@@ -1,0 +1,127 @@
+"""Agreement on errors across ranks, and save jobs that finish now or in a background thread.
+
+A save has a collective phase (plan, tp gathers, pp sends: always in the caller's thread) and a local phase: each
+writer writes its files, reports to rank 0 through a marker file, and rank 0 commits (index, config, swap). The
+local phase runs inline, or with `use_async=True` in a thread on snapshots of the tensors; `synchronize()` (and
+every later checkpoint call, through any Booster) joins the threads and agrees on their errors.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, FrozenSet, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import atomic
+
+_MESSAGE_BYTES = 2048
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; raised on every rank. Loading changed nothing."""
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def agree(error: Optional[str], action: str, device: torch.device) -> None:
+    """Collective: if any rank has an error, every rank raises one CheckpointError listing them all."""
+    flag = torch.tensor([1 if error else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag)
+    if not flag.item():
+        return
+    raw = (error or "").encode("utf-8")[:_MESSAGE_BYTES]
+    mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+    if raw:
+        mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    parts = [torch.empty(_MESSAGE_BYTES, dtype=torch.uint8, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine.to(device))
+    by_message: Dict[str, List[int]] = {}
+    for rank, part in enumerate(parts):
+        text = bytes(part.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace")
+        if text:
+            by_message.setdefault(text, []).append(rank)
+    details = "; ".join(f"[rank {','.join(map(str, ranks))}] {text}" for text, ranks in by_message.items())
+    raise CheckpointError(f"{action} failed: {details}")
+
+
+@dataclass
+class SaveJob:
+    """The local phase of one save on one rank."""
+
+    action: str                     # e.g. "save_model('ckpt')", for messages
+    tmp: str                        # the temporary directory or file
+    writers: FrozenSet[int]         # global ranks other than 0 that write files into `tmp` and report
+    write: Callable[[], None]       # this rank's file writes (no collectives); a no-op if it has none
+    commit: Callable[[], None]      # rank 0 only: index / config, then the swap
+    error: Optional[str] = None     # set by the collective phase, then by the local phase
+    rank: int = field(default_factory=dist.get_rank)  # taken at the call: the group may be gone at exit
+    thread: Optional[threading.Thread] = field(default=None, repr=False)
+
+    def run(self) -> None:
+        rank = self.rank
+        if self.error is None:
+            try:
+                self.write()
+            except Exception as exc:
+                self.error = describe(exc)
+        if rank in self.writers:
+            try:
+                atomic.report_done(self.tmp, rank, self.error)
+            except Exception as exc:
+                self.error = self.error or describe(exc)
+        if rank != 0:
+            return
+        try:
+            failed = atomic.wait_done(self.tmp, self.writers)
+            if failed and self.error is None:
+                self.error = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+            if self.error is None:
+                self.commit()
+        except Exception as exc:
+            self.error = self.error or describe(exc)
+        if self.error is not None:
+            atomic.discard(self.tmp)  # the previous checkpoint is untouched
+
+
+# background saves of this process, of every Booster / CheckpointIO: a load of a path saved asynchronously through
+# another Booster waits for it too. Every rank makes the same collective calls, so every rank has the same list.
+_PENDING: List[SaveJob] = []
+
+
+def _run_in_background(job: SaveJob) -> None:
+    try:
+        job.run()
+    except BaseException as exc:  # reported by synchronize(), never lost with the thread
+        job.error = job.error or describe(exc)
+        if job.rank == 0:
+            atomic.discard(job.tmp)
+
+
+def finish(job: SaveJob, use_async: bool, device: torch.device) -> None:
+    """Run the local phase of a save now (then agree on errors), or start it in a background thread."""
+    if not use_async:
+        job.run()
+        agree(job.error, job.action, device)
+        return
+    job.thread = threading.Thread(target=_run_in_background, args=(job,), name=f"checkpoint {job.action}")
+    job.thread.start()
+    _PENDING.append(job)
+
+
+def synchronize(device: torch.device) -> None:
+    """Collective when saves are pending: wait for them and raise one CheckpointError on every rank if any failed
+    (the failed checkpoint was not swapped in)."""
+    pending = list(_PENDING)
+    _PENDING.clear()
+    if not pending:
+        return
+    errors = []
+    for job in pending:
+        job.thread.join()
+        if job.error is not None:
+            errors.append(f"{job.action}: {job.error}")
+    agree("; ".join(errors) or None, "asynchronous save", device)

@@ -1,0 +1,91 @@
+"""ColossalAI 0.5 `HybridParallelPlugin` arguments this plugin accepts by name but does not act on.
+
+Each is data: its ColossalAI default, whether asking for something other than that default would change results,
+and what ColossalAI would have done. A non-default value of an argument that would change results raises (we do
+not silently train differently); one that only tunes speed or memory on hardware we do not target is accepted and
+rank 0 warns once. Arguments with nothing to say (our behaviour already equals what they ask for) are accepted
+silently. The arguments the plugin implements are in its signature; the README's table is checked against both.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, NamedTuple, Optional
+
+import torch.distributed as dist
+
+__all__ = ["Unacted", "UNACTED_ARGS", "check_unacted_args"]
+
+
+class Unacted(NamedTuple):
+    """An accepted argument we do not act on. `changes_results`: a non-default value is refused. `effect`: what it
+    would do (the warning / error text); empty when our behaviour already equals every value."""
+    default: Any
+    changes_results: bool
+    effect: str
+
+
+UNACTED_ARGS: Dict[str, Unacted] = {
+    # kernels and overlap flags: speed only, on GPUs
+    "enable_all_optimization": Unacted(False, False, "enable fused normalization, flash attention and JIT fusion"),
+    "enable_fused_normalization": Unacted(False, False, "use apex/CUDA fused LayerNorm/RMSNorm kernels"),
+    "enable_flash_attention": Unacted(False, False, "use flash-attention kernels (the model's own attention "
+                                                    "implementation runs, e.g. sdpa)"),
+    "enable_jit_fused": Unacted(False, False, "JIT-fuse dropout/bias/residual additions"),
+    "overlap_communication": Unacted(True, False, ""),  # DP gradient all-reduce always overlaps the backward
+    "overlap_p2p": Unacted(True, False, ""),  # P2P sends are always asynchronous (pipeline/p2p.py)
+    "overlap_allgather": Unacted(False, False, "overlap ZeRO's parameter all-gather with the next forward"),
+    "fp8_communication": Unacted(False, False, "compress communication to fp8 (ours stays in the compute dtype)"),
+    "use_fp8": Unacted(False, False, "run linear layers in fp8 (ours run in the compute dtype)"),
+    "communication_dtype": Unacted(None, False, "reduce gradients in a lower precision (ours reduce in the "
+                                                "gradients' dtype)"),
+    "cpu_offload": Unacted(False, False, "offload optimizer state to the CPU"),
+    "zero_bucket_size_in_m": Unacted(12, False, ""),  # a tuning knob of ZeRO's buckets
+    "dp_outside": Unacted(True, False, "place pipeline stages outside data-parallel replicas in the rank order"),
+    "inner_ring_size": Unacted(None, False, "size the inner ring of ring attention (sequence parallelism)"),
+    # torch DDP knobs: our bucketed reduction already handles unused parameters and reuses its buckets
+    "broadcast_buffers": Unacted(True, False, ""),
+    "find_unused_parameters": Unacted(False, False, ""),
+    "check_reduction": Unacted(False, False, ""),
+    "gradient_as_bucket_view": Unacted(False, False, ""),
+    "static_graph": Unacted(False, False, ""),
+    # dynamic loss scaling: only fp16 uses it (refused until fp16 is implemented)
+    "initial_scale": Unacted(2 ** 16, False, ""),
+    "min_scale": Unacted(1, False, ""),
+    "growth_factor": Unacted(2, False, ""),
+    "backoff_factor": Unacted(0.5, False, ""),
+    "growth_interval": Unacted(1000, False, ""),
+    "hysteresis": Unacted(2, False, ""),
+    "max_scale": Unacted(2 ** 32, False, ""),
+    "gradient_checkpoint_config": Unacted(None, False, "recompute activations during backward to save memory"),
+    # not implemented and result-changing: refused when asked for
+    "sp_size": Unacted(None, True, "sequence parallelism over its own group of sp_size ranks is not implemented; "
+                                   "leave sp_size unset"),
+    "sequence_parallelism_mode": Unacted(None, True, "sequence parallelism is not implemented; leave "
+                                                     "sequence_parallelism_mode unset"),
+    "scheduler_nodes": Unacted(None, True, "custom zero-bubble schedule nodes are not implemented; leave "
+                                           "scheduler_nodes unset"),
+}
+
+
+def check_unacted_args(kwargs: Dict[str, Any], rank: Optional[int] = None) -> None:
+    """Refuse unknown names and result-changing requests (on every rank, before any collective); warn once on rank 0
+    about ignored speed options."""
+    unknown = sorted(k for k in kwargs if k not in UNACTED_ARGS)
+    if unknown:
+        raise TypeError(f"HybridParallelPlugin got unexpected keyword arguments {unknown}; it takes ColossalAI's "
+                        f"arguments (see the README's argument table).")
+    notes = []
+    for name, value in kwargs.items():
+        arg = UNACTED_ARGS[name]
+        if _same(value, arg.default) or not arg.effect:
+            continue
+        if arg.changes_results:
+            raise NotImplementedError(f"{name}={value!r}: {arg.effect}.")
+        notes.append(f"{name}={value!r} would {arg.effect}")
+    if notes and (rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)) == 0:
+        warnings.warn("HybridParallelPlugin ignores options that only tune speed on hardware it does not target; "
+                      "results are unaffected: " + "; ".join(notes) + ".", stacklevel=3)
+
+
+def _same(value: Any, default: Any) -> bool:
+    return value is default or (value is not None and default is not None and value == default)

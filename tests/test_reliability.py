@@ -1,0 +1,221 @@
+"""Bad input fails clearly, the same way on every rank, before any collective (afterwards the group still works);
+inputs that a vocab-parallel layer would silently mask are refused; a microbatch without label tokens trains as in
+one process; replicas of replicated weights are made identical over tp; evaluation outputs are full logits."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from booster_plugin import Booster, HybridParallelPlugin
+from shardformer import Policy
+from shardformer.loss_weights import causal_lm_label_tokens
+from tests import model_utils as mu
+from tests.dist_utils import run_distributed
+
+# -- plugin arguments: refused at construction, naming the value and the valid choices (2 ranks) ---------------------
+CONFIG_CASES = [
+    (dict(tp_size=0), ValueError, "tp_size must be an integer >= 1, got 0"),
+    (dict(pp_size=-1), ValueError, "pp_size must be an integer >= 1, got -1"),
+    (dict(tp_size=1.5), ValueError, "tp_size must be an integer >= 1, got 1.5"),
+    (dict(tp_size=3), ValueError, "World size 2 is not divisible by tp_size \\* pp_size = 3 \\* 1"),
+    (dict(pp_size=4, num_microbatches=4), ValueError, "World size 2 is not divisible by tp_size \\* pp_size = 1 \\* 4"),
+    (dict(tp=2, tp_size=4), ValueError, "tp=2 and tp_size=4 disagree"),
+    (dict(pp_size=2, microbatch_size=0), ValueError, "microbatch_size must be an integer >= 1, got 0"),
+    (dict(pp_size=2, microbatch_size=-2), ValueError, "microbatch_size must be an integer >= 1, got -2"),
+    (dict(pp_size=2, num_microbatches=0), ValueError, "num_microbatches must be an integer >= 1, got 0"),
+    (dict(pp_size=2, num_microbatches=1), ValueError, "num_microbatches >= pp_size"),
+    (dict(pp_size=2, num_microbatches=2, microbatch_size=2), ValueError, "at most one of num_microbatches=2 and"),
+    (dict(precision="fp64"), ValueError, "precision='fp64' is not supported; use one of"),
+    (dict(zero_stage=3), NotImplementedError, "zero_stage"),
+    (dict(pp_style="gpipe"), NotImplementedError, "pp_style='gpipe'"),
+    (dict(enable_sequence_parallelism=True), NotImplementedError, "enable_sequence_parallelism"),
+    (dict(sp_size=2), NotImplementedError, "sp_size=2: sequence parallelism"),
+    (dict(sequence_parallelism_mode="all_to_all"), NotImplementedError, "sequence_parallelism_mode='all_to_all'"),
+    (dict(scheduler_nodes=[object()]), NotImplementedError, "scheduler_nodes"),
+    (dict(max_norm=-1.0), ValueError, "max_norm=-1.0 must be >= 0"),
+    (dict(p2p_transport="nccl"), ValueError, "p2p_transport='nccl': use 'p2p' or 'broadcast'"),
+    (dict(tp_sizes=2), TypeError, "unexpected keyword arguments \\['tp_sizes'\\]"),
+    (dict(custom_policy=Policy), TypeError, "custom_policy must be a shardformer.Policy instance"),
+    (dict(loss_weight_fn=len), ValueError, "loss_weight_fn weighs the microbatches"),
+    (dict(timeout=-1), ValueError, "timeout=-1 must be a positive number of seconds"),
+    (dict(ddp_bucket_cap_mb=0), ValueError, "ddp_bucket_cap_mb=0 must be > 0"),
+    (dict(make_vocab_size_divisible_by=0), ValueError, "make_vocab_size_divisible_by must be an integer >= 1"),
+]
+
+
+def _boost(plugin_kwargs, model, optimizer_fn=None, **boost_kwargs):
+    booster = Booster(plugin=HybridParallelPlugin(**plugin_kwargs))
+    optimizer = optimizer_fn(model) if optimizer_fn else None
+    return booster.boost(model, optimizer, **boost_kwargs)
+
+
+def _stepped_optimizer(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(**mu.make_batch("gpt2_lm", 2, 0)).loss.backward()
+    opt.step()
+    return opt
+
+
+def _twice():
+    model, *_ = _boost({}, mu.build("gpt2_lm"))
+    Booster(plugin=HybridParallelPlugin()).boost(model)
+
+
+def _conflicting_plugins():
+    Booster(plugin=HybridParallelPlugin()).boost(mu.build("gpt2_lm"), plugin=HybridParallelPlugin())
+
+
+def _gpt2_heads(n_head):
+    config = mu.gpt2_config()
+    config.n_head = n_head
+    config.n_embd = 30
+    from transformers import GPT2LMHeadModel
+    return GPT2LMHeadModel(config)
+
+
+# -- model / layout: refused at boost ----------------------------------------------------------------------------------
+BOOST_CASES = [
+    (lambda: _boost(dict(pp_size=2, num_microbatches=2), torch.nn.Linear(2, 2)), NotImplementedError,
+     "No sharding policy for Linear.*custom_policy="),
+    (lambda: _boost(dict(pp_size=2, num_microbatches=2), mu.build("gpt2_lm", layers=1)), ValueError,
+     "Cannot split 1 layers over 2 pipeline stages"),
+    (lambda: _boost(dict(pp_size=2, num_microbatches=2, num_layers_per_stage=[3, 3]), mu.build("gpt2_lm")),
+     ValueError, "num_layers_per_stage=\\[3, 3\\] must have 2 positive entries summing to the model's 4 layers"),
+    (lambda: _boost(dict(tp_size=2), _gpt2_heads(3)), ValueError, "tp_size=2 does not divide n_head=3"),
+    (lambda: _boost({}, mu.build("gpt2_lm"), _stepped_optimizer), ValueError, "Boost the optimizer before its first"),
+    (_twice, ValueError, "already boosted"),
+    (_conflicting_plugins, ValueError, "already has a plugin"),
+    (lambda: Booster(plugin="tp=2"), TypeError, "plugin must be a HybridParallelPlugin"),
+]
+
+
+def _step(plugin_kwargs, batch, kind="gpt2_lm", data_iter=None):
+    booster = Booster(plugin=HybridParallelPlugin(**plugin_kwargs))
+    model, *_ = booster.boost(mu.build(kind))
+    return booster.execute_pipeline(data_iter if data_iter is not None else iter([batch]), model, mu.criterion)
+
+
+def _with(batch, key, index, value):
+    batch = {k: v.clone() for k, v in batch.items()}
+    batch[key][index] = value
+    return batch
+
+
+GOOD = mu.make_batch("gpt2_lm", 4, 0)
+# -- data: every rank of the step sees the same batch, so each raises the same error before communicating -------------
+STEP_CASES = [
+    (lambda: _step(dict(pp_size=2, num_microbatches=4), mu.make_batch("gpt2_lm", 6, 0)), ValueError,
+     "Batch size 6 is not divisible into num_microbatches=4"),
+    (lambda: _step(dict(pp_size=2), mu.make_batch("gpt2_lm", 1, 0)), ValueError,
+     "A batch of 1 samples cannot be split into 2 to 8 equal microbatches"),
+    (lambda: _step(dict(pp_size=2, num_microbatches=2), None, data_iter=iter([])), ValueError,
+     "exhausted data iterator"),
+    (lambda: _step(dict(pp_size=2, num_microbatches=2), [GOOD["input_ids"]]), TypeError, "dict of tensors"),
+    (lambda: _step(dict(pp_size=2, num_microbatches=2), {"input_ids": torch.zeros(4, 3, dtype=torch.long),
+                                                         "labels": torch.zeros(3, 3, dtype=torch.long)}),
+     ValueError, "share dim 0"),
+    (lambda: _step(dict(tp_size=2, num_microbatches=2), _with(GOOD, "input_ids", (1, 2), mu.VOCAB)), IndexError,
+     f"Token id {mu.VOCAB} is outside the vocabulary \\[0, {mu.VOCAB}\\)"),
+    (lambda: _step(dict(tp_size=2, num_microbatches=2), _with(GOOD, "input_ids", (0, 0), -3)), IndexError,
+     "Token id -3 is outside the vocabulary"),
+    (lambda: _step(dict(tp_size=2, num_microbatches=2), _with(GOOD, "labels", (3, 1), mu.VOCAB + 5)), IndexError,
+     f"Target {mu.VOCAB + 5} is out of bounds: labels must lie in \\[0, {mu.VOCAB}\\)"),
+    (lambda: _step(dict(tp_size=2, num_microbatches=2), _with(GOOD, "labels", (3, 1), -7)), IndexError,
+     "Target -7 is out of bounds"),
+]
+
+
+def _check_cases(cases):
+    for make, exc, pattern in cases:
+        try:
+            with pytest.raises(exc, match=pattern):
+                make() if callable(make) else HybridParallelPlugin(**make)
+        except BaseException as failure:
+            raise AssertionError(f"case expecting {exc.__name__}({pattern!r})") from failure
+        dist.barrier()  # nobody is stuck in a collective: every rank raised the same error
+
+
+def _check_zero_label_microbatch_under_tp():
+    """One microbatch whose labels are all -100, tp=2: as in one process, its loss is nan but its gradients are zero,
+    so the step moves every parameter exactly as the reference does (and nothing turns NaN). With a token-weighted
+    loss it weighs nothing and the loss is the finite token mean of the whole batch."""
+    batch = mu.make_batch("llama_lm", 4, 1)
+    batch["labels"][:2] = -100  # microbatch 0 of 2 has no label token
+    for weighted in (False, True):
+        reference = mu.build("llama_lm")
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+        kwargs = dict(loss_weight_fn=causal_lm_label_tokens) if weighted else {}
+        booster = Booster(plugin=HybridParallelPlugin(tp_size=2, num_microbatches=2, **kwargs))
+        model = mu.build("llama_lm")
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6))
+        if weighted:
+            expected = reference(**batch).loss
+        else:
+            expected = mu.microbatch_mean_loss(reference, batch, 2)
+        expected.backward()
+        ref_opt.step()
+        loss = booster.execute_pipeline(iter([batch]), model, mu.criterion, opt)["loss"]
+        assert torch.isnan(loss) if not weighted else torch.isfinite(loss), loss
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-5, equal_nan=True)
+        opt.step()
+        for name, p in model.unwrap().named_parameters():
+            full = mu.gathered(p, p.data, booster.plugin.tp_group)
+            assert torch.isfinite(full).all(), f"{name} is not finite"
+            mu.assert_close(full, reference.get_parameter(name).data, f"weighted={weighted}: {name} after AdamW")
+
+
+def _check_replicas_made_identical_over_tp():
+    """A model built with another seed on each tp rank: boost makes the replicated weights (norms, position
+    embeddings) identical, so both tp ranks train one model."""
+    torch.manual_seed(1000 + dist.get_rank())
+    model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(mu.MODELS["gpt2_lm"]())
+    for name, p in model.unwrap().named_parameters():
+        if mu.get_tp_spec(p) is None:
+            parts = [torch.empty_like(p.data) for _ in range(2)]
+            dist.all_gather(parts, p.data.contiguous())
+            assert torch.equal(parts[0], parts[1]), f"replicated {name} differs between tp ranks"
+
+
+def _check_evaluation_outputs_in_train_mode():
+    """return_outputs=True gives what one process gives in train mode too: full, unpadded logits (here all negative,
+    so zero padding columns would win an argmax) and one loss for the step."""
+    reference = mu.build("gpt2_lm")
+    with torch.no_grad():  # logits = ones @ -|wte|: negative everywhere
+        reference.transformer.ln_f.weight.zero_()
+        reference.transformer.ln_f.bias.fill_(1.0)
+        reference.transformer.wte.weight.copy_(-reference.transformer.wte.weight.abs() - 0.01)
+    batch = mu.make_batch("gpt2_lm", 4, 2)
+    for kwargs in (dict(tp_size=2, num_microbatches=2), dict(pp_size=2, num_microbatches=2)):
+        booster = Booster(plugin=HybridParallelPlugin(**kwargs))
+        model, *_ = booster.boost(copy.deepcopy(reference))
+        model.train()
+        with torch.no_grad():
+            out = booster.execute_pipeline(iter([batch]), model, mu.criterion, return_outputs=True)
+            expected = reference(**batch).logits
+            expected_loss = mu.microbatch_mean_loss(reference, batch, 2)
+        if booster.plugin.is_last_stage():
+            logits = out["outputs"]["logits"]
+            assert logits.shape == expected.shape, (kwargs, logits.shape)
+            assert (expected < 0).all()
+            mu.assert_close(logits, expected, f"{kwargs} logits in train mode")
+            assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+            mu.assert_close(out["outputs"]["loss"], expected_loss, f"{kwargs} outputs.loss")
+        else:
+            assert out["outputs"] is None
+
+
+def _two_ranks():
+    _check_cases(CONFIG_CASES)
+    _check_cases(BOOST_CASES)
+    _check_cases(STEP_CASES)
+    assert len(CONFIG_CASES) + len(BOOST_CASES) + len(STEP_CASES) >= 40
+    _check_zero_label_microbatch_under_tp()
+    _check_replicas_made_identical_over_tp()
+    _check_evaluation_outputs_in_train_mode()
+    mu.check_training("gpt2_lm", tp_size=2, num_microbatches=2)  # the group still trains after all of the above
+
+
+def test_bad_input_and_silent_corruption_two_ranks():
+    run_distributed(2, _two_ranks)
+

@@ -222,7 +222,10 @@ def as_policy(policy: Union[None, ShardPolicy, PolicyLike, Sequence[PolicyLike]]
         return policy
     many = list(policy) if isinstance(policy, (list, tuple)) else [policy]
     for p in many:
+        if isinstance(p, type) and issubclass(p, ShardPolicy):
+            raise TypeError(f"custom_policy must be a shardformer.Policy instance, got the class {p.__name__} "
+                            f"(pass an instance: custom_policy={p.__name__}()).")
         if not (isinstance(p, Policy) or (isinstance(p, type) and issubclass(p, Policy))):
-            raise TypeError(f"custom_policy must be a shardformer.Policy or Parallelformers-style policies "
-                            f"(shardformer.parallelformers.Policy subclasses), got {p!r}.")
+            raise TypeError(f"custom_policy must be a shardformer.Policy instance or Parallelformers-style policies "
+                            f"(shardformer.parallelformers.Policy subclasses), got {type(p).__name__}.")
     return TranslatedPolicy(many)

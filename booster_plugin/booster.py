@@ -97,6 +97,7 @@ class Booster:
         or `model-0000i-of-0000n.safetensors` + index (shard=True, files of about `size_per_shard` MB), with
         `config.json`. Every tensor carries a CRC32. `use_async=True` returns once the tensors are gathered and
         copied; the files are written in the background (see `checkpoint_io.synchronize()`)."""
+        self.plugin.arrive("save_model")
         self.checkpoint_io.save_model(model, checkpoint, shard=shard, gather_dtensor=gather_dtensor, prefix=prefix,
                                       size_per_shard=size_per_shard, use_safetensors=use_safetensors,
                                       use_async=use_async)
@@ -106,6 +107,7 @@ class Booster:
         """Load a checkpoint (ours, any HF safetensors directory or file, or a `.pt`/`.bin` state dict read with
         weights_only=True) into the boosted model of any layout; each rank reads only its slices and verifies their
         checksums. On any error every rank raises CheckpointError and no parameter changes."""
+        self.plugin.arrive("load_model")
         self.checkpoint_io.load_model(model, checkpoint, strict=strict, low_cpu_mem_mode=low_cpu_mem_mode,
                                       num_threads=num_threads, verify_checksums=verify_checksums)
 
@@ -113,6 +115,7 @@ class Booster:
                        prefix: Optional[str] = None, size_per_shard: int = 1024, use_async: bool = False) -> None:
         """Write the optimizer state into directory `checkpoint`: one safetensors + JSON per (stage, tp rank),
         keyed by parameter names, and optimizer.index.json (layout, files, checksums)."""
+        self.plugin.arrive("save_optimizer")
         self.checkpoint_io.save_optimizer(optimizer, checkpoint, shard=shard, gather_dtensor=gather_dtensor,
                                           prefix=prefix, size_per_shard=size_per_shard, use_async=use_async)
 
@@ -120,12 +123,15 @@ class Booster:
                        num_threads: int = 1, *, strict: bool = True, verify_checksums: bool = True) -> None:
         """Load optimizer state saved by save_optimizer from any layout, param groups matched by parameter name;
         state for parameters the model lacks is refused (strict=False: skipped with a warning)."""
+        self.plugin.arrive("load_optimizer")
         self.checkpoint_io.load_optimizer(optimizer, checkpoint, prefix=prefix, low_cpu_mem_mode=low_cpu_mem_mode,
                                           num_threads=num_threads, strict=strict, verify_checksums=verify_checksums)
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         """Write the scheduler's state_dict to the JSON file `checkpoint` (rank 0, atomically)."""
+        self.plugin.arrive("save_lr_scheduler")
         self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
 
     def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
+        self.plugin.arrive("load_lr_scheduler")
         self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)

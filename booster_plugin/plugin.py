@@ -12,11 +12,13 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from pipeline.trace import ScheduleTracer
+from pipeline.schedule import split_batch
 from pipeline import OneForwardOneBackwardSchedule, PipelineP2PCommunication, PipelineStageManager, ProcessGroupMesh
 from shardformer.parallelformers import as_policy
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sharder import ShardConfig, Sharder
 
+from .batch_check import BatchLimits, agree_on_batch, label_vocab_of, vocab_of
 from .colossal_args import check_unacted_args
 from .parallel_module import HybridParallelModule, HybridParallelOptimizer
 
@@ -87,6 +89,9 @@ class HybridParallelPlugin:
         trace: record a timeline of the schedule (also HP_TRACE=1).
         loss_weight_fn: `micro_batch -> number of loss items`, for a token-weighted loss.
         timeout: seconds a collective may wait before every rank fails (process-group timeout; default torch's).
+        check_batches: agree on each step's batch over the world (one small all-gather), so a bad batch on any rank
+            (shapes differing within a replica, ids or labels outside the vocabulary, a batch that does not split)
+            raises the same error on every rank instead of hanging the others.
     """
 
     def __init__(self, tp_size: int = 1, pp_size: int = 1, num_microbatches: Optional[int] = None,
@@ -98,6 +103,7 @@ class HybridParallelPlugin:
                  enable_metadata_cache: bool = True, ddp_bucket_cap_mb: float = 25, p2p_transport: str = "p2p",
                  seed: int = 1024, trace: Optional[bool] = None,
                  loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]] = None, timeout: Optional[float] = None,
+                 check_batches: bool = True,
                  tp: Optional[int] = None, pp: Optional[int] = None, **colossalai_kwargs: Any) -> None:
         # every check before the first collective, so that bad input fails the same way on every rank
         tp_size, pp_size = _alias("tp", tp, "tp_size", tp_size), _alias("pp", pp, "pp_size", pp_size)
@@ -146,7 +152,7 @@ class HybridParallelPlugin:
         self.dp_size = world // (tp_size * pp_size)
         self.precision, self.max_norm, self.custom_policy = precision, max_norm, custom_policy
         self.parallel_output, self.make_vocab_size_divisible_by = parallel_output, make_vocab_size_divisible_by
-        self.seed = seed
+        self.seed, self.check_batches, self.timeout = seed, check_batches, timeout
         self.bucket_bytes = int(ddp_bucket_cap_mb * 1024 * 1024)
         self.device = default_device()
 
@@ -214,6 +220,7 @@ class HybridParallelPlugin:
         policy = self.custom_policy if self.custom_policy is not None else get_autopolicy(model)
         # the unsharded layout (names, shapes, dtypes, holding stages), for checkpoints in HF format
         full_params = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
+        batch_limits = BatchLimits(vocab_of(model), label_vocab_of(model))
         rng_tracker = None
         if self.tp_size > 1:
             from shardformer.layer.dropout import TPRNGTracker
@@ -242,7 +249,7 @@ class HybridParallelPlugin:
                                       self.tp_group if self.tp_size > 1 else None,
                                       self.pp_group if self.pp_size > 1 else None, shared,
                                       bucket_bytes=self.bucket_bytes)
-        module.policy, module.full_params = policy, full_params
+        module.policy, module.full_params, module.batch_limits = policy, full_params, batch_limits
         module.sync_params()
         if optimizer is not None:
             _rebind_optimizer(optimizer, param_names, params)
@@ -262,6 +269,8 @@ class HybridParallelPlugin:
         except StopIteration:
             raise ValueError("execute_pipeline got an exhausted data iterator: pass a fresh iter(dataloader) or stop "
                              "the loop when the dataloader ends.") from None
+        if self.check_batches:  # one small all-gather: a bad batch anywhere raises the same error everywhere
+            agree_on_batch(batch, model.batch_limits, self._num_microbatches, self.dp_rank, self.device)
         if self.auto_microbatches:
             self.schedule.num_microbatches = default_num_microbatches(batch, self.pp_size)
         if self.loss_weight_fn is not None and criterion is not None:
@@ -271,6 +280,29 @@ class HybridParallelPlugin:
         if result["outputs"] is not None:
             result["outputs"] = model.full_outputs(result["outputs"], result["loss"])
         return result
+
+    def arrive(self, call: str) -> None:
+        """Start of a collective call (checkpoints): a monitored barrier over the world, so that a call made on some
+        ranks only (e.g. under `if rank == 0:`) fails within the timeout naming the missing ranks, instead of
+        hanging in the call's first collective. Backends without monitored barriers (NCCL alone) skip it."""
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=self.timeout or 1800), wait_all_ranks=True)
+        except NotImplementedError:
+            return
+        except RuntimeError as error:
+            raise RuntimeError(f"{call} is collective: every rank must call it (not only under `if rank == 0:`), "
+                               f"but some ranks did not reach it within the timeout ({error}).") from None
+
+    def _num_microbatches(self, batch: Any) -> int:
+        """How this step splits `batch` (raises as the schedule would on a batch that does not split)."""
+        if self.auto_microbatches:
+            m, size = default_num_microbatches(batch, self.pp_size), None
+        else:
+            m, size = self.schedule.num_microbatches, self.schedule.microbatch_size
+        m = len(split_batch(batch, m, size))
+        if m < self.pp_size:
+            raise ValueError(f"1F1B needs at least pp_size={self.pp_size} microbatches, got {m}.")
+        return m
 
     def write_trace(self, out_dir: str) -> Optional[Dict[str, float]]:
         """Collective: write the recorded schedule timeline (trace.json, timeline.png, bubble.json) from rank 0.

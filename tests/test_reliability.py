@@ -2,6 +2,8 @@
 inputs that a vocab-parallel layer would silently mask are refused; a microbatch without label tokens trains as in
 one process; replicas of replicated weights are made identical over tp; evaluation outputs are full logits."""
 import copy
+import os
+import time
 
 import pytest
 import torch
@@ -96,6 +98,10 @@ def _step(plugin_kwargs, batch, kind="gpt2_lm", data_iter=None):
     return booster.execute_pipeline(data_iter if data_iter is not None else iter([batch]), model, mu.criterion)
 
 
+def _rank():
+    return dist.get_rank()
+
+
 def _with(batch, key, index, value):
     batch = {k: v.clone() for k, v in batch.items()}
     batch[key][index] = value
@@ -116,13 +122,24 @@ STEP_CASES = [
                                                          "labels": torch.zeros(3, 3, dtype=torch.long)}),
      ValueError, "share dim 0"),
     (lambda: _step(dict(tp_size=2, num_microbatches=2), _with(GOOD, "input_ids", (1, 2), mu.VOCAB)), IndexError,
-     f"Token id {mu.VOCAB} is outside the vocabulary \\[0, {mu.VOCAB}\\)"),
-    (lambda: _step(dict(tp_size=2, num_microbatches=2), _with(GOOD, "input_ids", (0, 0), -3)), IndexError,
-     "Token id -3 is outside the vocabulary"),
-    (lambda: _step(dict(tp_size=2, num_microbatches=2), _with(GOOD, "labels", (3, 1), mu.VOCAB + 5)), IndexError,
-     f"Target {mu.VOCAB + 5} is out of bounds: labels must lie in \\[0, {mu.VOCAB}\\)"),
+     f"Token id {mu.VOCAB} on rank 0 \\(data-parallel replica 0\\) is outside the vocabulary \\[0, {mu.VOCAB}\\)"),
+    (lambda: _step(dict(pp_size=2, num_microbatches=2), _with(GOOD, "input_ids", (0, 0), -3)), IndexError,
+     "Token id -3 on rank 0 .* is outside the vocabulary"),  # stage 0 would raise alone; stage 1 would wait
+    (lambda: _step(dict(pp_size=2, num_microbatches=2), _with(GOOD, "labels", (3, 1), mu.VOCAB + 5)), IndexError,
+     f"Label {mu.VOCAB + 5} on rank 0 .* is out of bounds: labels must lie in \\[0, {mu.VOCAB}\\)"),
     (lambda: _step(dict(tp_size=2, num_microbatches=2), _with(GOOD, "labels", (3, 1), -7)), IndexError,
-     "Target -7 is out of bounds"),
+     "Label -7 on rank 0"),
+    # only one rank's batch is bad: every rank raises (the others name the rank)
+    (lambda: _step(dict(pp_size=2, num_microbatches=2), _with(GOOD, "input_ids", (0, 0), 500 if _rank() else 1)),
+     IndexError, "Token id 500 on rank 1 \\(data-parallel replica 0\\)"),
+    (lambda: _step(dict(tp_size=2, num_microbatches=2), {k: v[:, :6 + _rank()] for k, v in GOOD.items()}),
+     ValueError, "The ranks of data-parallel replica 0 got different batches: rank [01] has tensor shapes"),
+    (lambda: _step(dict(pp_size=2, num_microbatches=2), mu.make_batch("gpt2_lm", 4 + 2 * _rank(), 0)),
+     ValueError, "different batches.*in 2 microbatches"),
+    (lambda: _step(dict(num_microbatches=2), mu.make_batch("gpt2_lm", 4 - _rank(), 0)),  # dp=2: replica 1's
+     ValueError, "Batch size 3 is not divisible|batch on rank 1 \\(data-parallel replica 1\\) cannot be split"),
+    (lambda: _step(dict(tp_size=2, num_microbatches=2), _with(GOOD, "labels", (0, 1), 10 ** 6)), IndexError,
+     "Label 1000000 on rank 0"),
 ]
 
 
@@ -219,3 +236,20 @@ def _two_ranks():
 def test_bad_input_and_silent_corruption_two_ranks():
     run_distributed(2, _two_ranks)
 
+
+
+def _collective_on_one_rank(tmp_dir: str):
+    """`if rank == 0: booster.save_model(...)` (a collective call on one rank) fails within the plugin's timeout
+    with an error saying the call is collective, instead of hanging."""
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2, timeout=3))
+    model, *_ = booster.boost(mu.build("gpt2_lm"))
+    if dist.get_rank() == 0:
+        with pytest.raises(RuntimeError, match="save_model is collective: every rank must call it.*Ranks 1 failed"):
+            booster.save_model(model, f"{tmp_dir}/model")
+        assert not os.path.exists(f"{tmp_dir}/model")
+    else:
+        time.sleep(5)  # busy elsewhere, never calls save_model
+
+
+def test_collective_call_on_one_rank_fails_within_timeout(tmp_path):
+    run_distributed(2, _collective_on_one_rank, str(tmp_path), timeout=120)

@@ -116,12 +116,11 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> Dict[str, Para
         if not targets:
             raise ValueError(f"parallelize_plan[{pattern!r}] matches no module or parameter of "
                              f"{type(model).__name__}.")
-        style = styles[0] if len(styles) == 1 else None
-        if style is None:
+        if len(styles) != 1:
             raise ValueError(f"parallelize_plan[{pattern!r}]: give one ColWiseParallel() or RowWiseParallel().")
         for path in targets:
-            ours = _our_style(path, modules[path], style, in_base=path.startswith(base_prefix) if base_prefix
-                              else True, vocab=vocab)
+            in_base = not base_prefix or path.startswith(base_prefix)
+            ours = _our_style(path, modules[path], styles[0], in_base=in_base, vocab=vocab)
             if resolved.get(path, ours) != ours:
                 raise ValueError(f"parallelize_plan: {path} is given two different plans ({pattern!r}).")
             resolved[path] = ours

@@ -20,6 +20,7 @@ from shardformer.sharder import ShardConfig, Sharder
 
 from .batch_check import BatchLimits, agree_on_batch, label_vocab_of, vocab_of
 from .colossal_args import check_unacted_args
+from .failure import FailureGuard
 from .parallel_module import HybridParallelModule, HybridParallelOptimizer
 
 DP_AXIS, PP_AXIS, TP_AXIS = 0, 1, 2
@@ -144,6 +145,7 @@ class HybridParallelPlugin:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds.")
         ensure_distributed(timeout)
+        self.failure_guard = FailureGuard.shared()
         world = dist.get_world_size()
         if world % (tp_size * pp_size):
             raise ValueError(f"World size {world} is not divisible by tp_size * pp_size = {tp_size} * {pp_size}; "
@@ -264,6 +266,7 @@ class HybridParallelPlugin:
         """One step over microbatches (see Booster.execute_pipeline)."""
         if self.schedule is None:
             raise ValueError("execute_pipeline needs num_microbatches or microbatch_size in HybridParallelPlugin.")
+        self.failure_guard.check()
         try:
             batch = next(data_iter)
         except StopIteration:
@@ -275,16 +278,18 @@ class HybridParallelPlugin:
             self.schedule.num_microbatches = default_num_microbatches(batch, self.pp_size)
         if self.loss_weight_fn is not None and criterion is not None:
             criterion = _without_empty_microbatches(criterion, self.loss_weight_fn)
-        result = self.schedule.forward_backward_step(model, iter([batch]), criterion, optimizer, return_loss,
-                                                     return_outputs)
-        if result["outputs"] is not None:
-            result["outputs"] = model.full_outputs(result["outputs"], result["loss"])
+        with self.failure_guard.step("execute_pipeline"):  # a failure from here on ends the step on every rank
+            result = self.schedule.forward_backward_step(model, iter([batch]), criterion, optimizer, return_loss,
+                                                         return_outputs)
+            if result["outputs"] is not None:
+                result["outputs"] = model.full_outputs(result["outputs"], result["loss"])
         return result
 
     def arrive(self, call: str) -> None:
         """Start of a collective call (checkpoints): a monitored barrier over the world, so that a call made on some
         ranks only (e.g. under `if rank == 0:`) fails within the timeout naming the missing ranks, instead of
         hanging in the call's first collective. Backends without monitored barriers (NCCL alone) skip it."""
+        self.failure_guard.check()
         try:
             dist.monitored_barrier(timeout=timedelta(seconds=self.timeout or 1800), wait_all_ranks=True)
         except NotImplementedError:

@@ -253,3 +253,56 @@ def _collective_on_one_rank(tmp_dir: str):
 
 def test_collective_call_on_one_rank_fails_within_timeout(tmp_path):
     run_distributed(2, _collective_on_one_rank, str(tmp_path), timeout=120)
+
+
+FAILING_STEP = """
+import time, torch, torch.distributed as dist
+from booster_plugin import Booster, HybridParallelPlugin
+from booster_plugin.failure import RankFailure
+from tests import model_utils as mu
+torch.set_num_threads(1)
+booster = Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2))
+model, *_ = booster.boost(mu.build("llama_lm"))
+def criterion(outputs, batch):
+    if calls["n"] == 1:
+        raise ValueError("criterion boom")
+    return outputs.loss
+calls = {"n": 0}
+booster.execute_pipeline(iter([mu.make_batch("llama_lm", 4, 0)]), model, criterion)  # a good step
+calls["n"] = 1
+started = time.monotonic()
+try:
+    booster.execute_pipeline(iter([mu.make_batch("llama_lm", 4, 1)]), model, criterion)
+except ValueError as error:  # the last stage: the script catches its own error and tries to go on
+    print(f"caught {error}", flush=True)
+    try:
+        booster.execute_pipeline(iter([mu.make_batch("llama_lm", 4, 2)]), model, criterion)
+    except RankFailure as refused:
+        print(f"refused: {refused}", flush=True)
+print(f"returned after {time.monotonic() - started:.1f} s", flush=True)
+"""
+
+
+def test_failure_on_one_stage_ends_the_step_on_every_rank(tmp_path):
+    """The criterion raises on the last stage (rank 1) while stage 0 waits for its gradients: rank 0 exits within
+    seconds naming rank 1's error (instead of waiting for gloo's 30-minute timeout), rank 1 raises its own error and
+    refuses the next step."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.dist_utils import _free_port
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_STEP)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=root, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    (out0, err0), (out1, err1) = outs
+    assert procs[0].returncode == 1, (out0, err0[-2000:])
+    assert "stopping: rank 1 failed in execute_pipeline: ValueError: criterion boom" in err0, err0[-2000:]
+    assert procs[1].returncode == 0, (out1, err1[-2000:])
+    assert "caught criterion boom" in out1 and "refused: The job cannot continue: rank 1 failed" in out1, out1

@@ -1,0 +1,128 @@
+"""Failure containment: an exception on one rank inside a step ends the step on every rank, naming that rank.
+
+A gloo receive or collective cannot be interrupted: a rank blocked waiting for a rank that raised would wait for the
+process-group timeout (30 minutes by default) or, if that rank's script catches the exception and goes on, forever.
+So a failing rank publishes `rank R: ExceptionType: message` in the job's rendezvous store (the TCPStore of the
+default process group) before re-raising, and a watchdog thread on every rank polls that store:
+- a rank inside a step (blocked or not) prints the failing rank's error and exits with status 1 (torchrun then ends
+  the job; nothing else can unblock it);
+- a rank outside a step raises `RankFailure` naming the failing rank at its next step or checkpoint call.
+The failing rank itself refuses further steps with the same error, so a script that catches it stops cleanly. A rank
+that dies without raising (killed, out of memory) closes its connections: its peers' collectives fail at once and
+they report the lost connection through the same path.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from typing import Iterator, Optional
+
+import torch.distributed as dist
+
+__all__ = ["RankFailure", "FailureGuard"]
+
+_KEY = "hybrid_parallel/failure"
+
+
+class RankFailure(RuntimeError):
+    """Another rank failed during a step; the pipeline cannot continue (the message names that rank)."""
+
+
+class FailureGuard:
+    """Shares the first failure of a step with every rank of the job (see the module docstring).
+
+    Args:
+        poll_seconds: how often the watchdog looks at the store.
+    """
+
+    _shared: Optional["FailureGuard"] = None
+
+    @classmethod
+    def shared(cls) -> "FailureGuard":
+        """One guard (one watchdog thread) per process and default process group."""
+        store = _default_store()
+        if cls._shared is None or cls._shared._store is not store:
+            if cls._shared is not None:
+                cls._shared.close()
+            cls._shared = cls()
+        return cls._shared
+
+    def __init__(self, poll_seconds: float = 0.5) -> None:
+        self.rank = dist.get_rank()
+        self._store = _default_store()
+        self._failure: Optional[str] = None
+        self._in_step = threading.Event()
+        self._stop = threading.Event()
+        if self._store is not None:
+            threading.Thread(target=self._watch, args=(poll_seconds,), daemon=True,
+                             name="hybrid-parallel-failure-watchdog").start()
+
+    @contextlib.contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        """Run one step (or collective call) of this rank under the guard."""
+        self.check()
+        self._in_step.set()
+        try:
+            yield
+        except RankFailure:
+            raise
+        except BaseException as error:
+            self._publish(f"rank {self.rank} failed in {what}: {type(error).__name__}: {error}")
+            raise
+        finally:
+            self._in_step.clear()
+
+    def check(self) -> None:
+        """Raise RankFailure if any rank has failed (checked at the start of every step)."""
+        failure = self._failure or self._read()
+        if failure is not None:
+            self._failure = failure
+            raise RankFailure(f"The job cannot continue: {failure}. Stop this process (torchrun restarts the job "
+                              f"with --max-restarts; resume from the last checkpoint).")
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # -- internals -------------------------------------------------------------------------------------------
+    def _publish(self, text: str) -> None:
+        if self._failure is None:
+            self._failure = text
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                if not self._store.check([_KEY]):
+                    self._store.set(_KEY, text.encode()[:4096])
+
+    def _read(self) -> Optional[str]:
+        if self._store is None:
+            return None
+        try:
+            if self._store.check([_KEY]):
+                return self._store.get(_KEY).decode(errors="replace")
+        except Exception:  # the store's host (rank 0) is gone
+            return "rank 0 (which hosts the rendezvous store) exited"
+        return None
+
+    def _watch(self, poll_seconds: float) -> None:
+        while not self._stop.wait(poll_seconds):
+            failure = self._read()
+            if failure is None:
+                continue
+            self._failure = self._failure or failure
+            if failure.startswith(f"rank {self.rank} "):
+                return  # our own failure: this rank raised it
+            # wait for this rank to leave a step: one that does not (blocked in a receive) has to exit
+            if self._in_step.is_set() and not self._stop.wait(2 * poll_seconds) and self._in_step.is_set():
+                print(f"[hybrid-parallel rank {self.rank}] stopping: {failure}", file=sys.stderr, flush=True)
+                os._exit(1)
+            return
+
+
+def _default_store():
+    """The default process group's store, or None where torch does not expose it."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        return _get_default_store()
+    except Exception:
+        return None

@@ -5,8 +5,9 @@ hold the last encoder layers and the first decoder layers. What a stage does wit
 - A stage that holds no encoder layer is given the encoder's output as `encoder_outputs` (the models' own way to
   skip the encoder); the encoder's modules are released there.
 - A stage that starts inside a stack feeds the received hidden states through a stand-in for that stack's token
-  embedding (other entry modules become zeros / identities) and the values the stack carries from layer to layer
-  (T5's position bias, computed by the stack's first block) into its first held layer.
+  embedding (other entry modules become zeros / identities; a module the stack calls both before and after its
+  layers, T5's dropout, skips its first call) and the values the stack carries from layer to layer (T5's position
+  bias, computed by the stack's first block) into its first held layer.
 - A stage that ends inside a stack leaves after its last held layer with the hidden states and carried values;
   a stage that ends with the encoder leaves after the encoder with its output. From the end of the encoder on,
   every stage's output also holds `encoder_hidden_states`, which decoder stages use for cross-attention and pass on;
@@ -22,6 +23,25 @@ from torch import nn
 from .policies.base import Policy
 from .stage import (INPUT, Released, StageInput, _StageExit, get_submodule_parent, held_layer_list,
                     replace_submodule, stand_in_for)
+
+
+SKIP_FIRST = "skip_first"  # entry kind: the module's first call in a forward returns its input
+
+
+class SkipFirstCall(nn.Module):
+    """Stands in for a module a stack calls before its layers (already applied by the previous stage) and again
+    after them: the first call of each forward returns its input, later calls run the module."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.called = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.called:
+            self.called = True
+            return x
+        return self.module(x)
 
 
 class EncoderDecoderPolicy(Policy):
@@ -94,6 +114,7 @@ class EncoderDecoderPolicy(Policy):
         stacks = ((self.encoder_layers, self.encoder_entry, self.encoder_exit, 0, n_enc),
                   (self.decoder_layers, self.decoder_entry, self.decoder_exit, n_enc, n_dec))
         stage_input, carry_into, exit_module, capture, exit_is_encoder = None, None, None, None, False
+        skip_first: List[SkipFirstCall] = []
         for layers, entry, exit, offset, size in stacks:
             lo, hi = max(start - offset, 0), min(end - offset, size)
             held = lo < hi
@@ -101,13 +122,16 @@ class EncoderDecoderPolicy(Policy):
             stack = base.get_submodule(layers.rpartition(".")[0])
             if held and lo > 0:  # starts inside this stack: stand-ins for its entry, carried values into layer lo
                 for path, kind in entry.items():
-                    stand_in = self._replace(base, path, lambda m, kind=kind: stand_in_for(kind, m))
+                    stand_in = self._replace(base, path, lambda m, kind=kind: SkipFirstCall(m) if kind == SKIP_FIRST
+                                             else stand_in_for(kind, m))
                     if isinstance(stand_in, StageInput) and kind == INPUT:
                         stage_input = stand_in
+                    elif isinstance(stand_in, SkipFirstCall):
+                        skip_first.append(stand_in)
                 for attr, value in self.entry_attributes.get(layers.rpartition(".")[0], {}).items():
                     setattr(stack, attr, value)
                 carry_into = full[lo]
-            elif not held or lo > 0:
+            elif not held:  # the stack does not run here
                 for path in entry:
                     self._replace(base, path, lambda m, path=path: Released(prefix + path))
             ends_stack = held and hi == size
@@ -128,7 +152,7 @@ class EncoderDecoderPolicy(Policy):
         if sm.is_first_stage() and sm.is_last_stage():
             return None
         return EncoderDecoderStage(self.model, stage_input, carry_into, self.carried, exit_module, exit_is_encoder,
-                                   capture)
+                                   capture, skip_first)
 
     @staticmethod
     def _replace(base: nn.Module, path: str, make) -> Optional[nn.Module]:
@@ -153,12 +177,14 @@ class EncoderDecoderStage:
         exit_module: the module after which the stage leaves (a layer, or the encoder); None on the last stage.
         exit_is_encoder: the stage leaves after the encoder.
         capture: the encoder, when this stage runs its end and then decoder layers.
+        skip_first: stand-ins whose first call in each forward is skipped.
     """
 
     def __init__(self, model: nn.Module, stage_input: Optional[StageInput], carry_into: Optional[nn.Module],
                  carried: Dict[str, Tuple[int, int]], exit_module: Optional[nn.Module], exit_is_encoder: bool,
-                 capture: Optional[nn.Module]) -> None:
+                 capture: Optional[nn.Module], skip_first: Sequence[SkipFirstCall] = ()) -> None:
         self.model, self.stage_input, self.carried = model, stage_input, carried
+        self.skip_first = list(skip_first)
         self.exit_is_encoder = exit_is_encoder
         self._armed = False
         self._received: Dict[str, torch.Tensor] = {}
@@ -198,6 +224,8 @@ class EncoderDecoderStage:
         from transformers.modeling_outputs import BaseModelOutput
 
         self._received = {name: kwargs.pop(name) for name in self.carried if name in kwargs}
+        for module in self.skip_first:
+            module.called = False
         if self.stage_input is not None:
             if hidden_states is None:
                 raise ValueError("This pipeline stage needs the previous stage's `hidden_states`.")

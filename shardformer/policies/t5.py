@@ -4,7 +4,7 @@ and the LM head. The relative position bias is computed by the first block of ea
 table: under tp it is split by heads (each rank computes its own heads' bias) and `n_heads` (which sizes the zero
 bias of cross-attention) is divided; under pp it is carried from stage to stage with the hidden states.
 """
-from ..encoder_decoder import EncoderDecoderPolicy
+from ..encoder_decoder import SKIP_FIRST, EncoderDecoderPolicy
 from .base import IDENTITY, INPUT, Colwise, HeadEmbedding, Rowwise, VocabEmbedding, VocabHead
 
 _ATTENTION = ("*.block.*.layer.*.SelfAttention", "*.block.*.layer.*.EncDecAttention")
@@ -12,8 +12,9 @@ _ATTENTION = ("*.block.*.layer.*.SelfAttention", "*.block.*.layer.*.EncDecAttent
 
 class T5Policy(EncoderDecoderPolicy):
     encoder_layers, decoder_layers = "encoder.block", "decoder.block"
-    encoder_entry = {"shared": IDENTITY, "encoder.embed_tokens": INPUT}
-    decoder_entry = {"decoder.embed_tokens": INPUT}
+    # T5Stack calls one `dropout` on the embeddings and again after its final norm
+    encoder_entry = {"shared": IDENTITY, "encoder.embed_tokens": INPUT, "encoder.dropout": SKIP_FIRST}
+    decoder_entry = {"decoder.embed_tokens": INPUT, "decoder.dropout": SKIP_FIRST}
     encoder_exit = ("encoder.final_layer_norm",)
     decoder_exit = ("decoder.final_layer_norm", "lm_head")
     carried = {"position_bias": (2, 1)}  # T5Block(hidden, mask, position_bias, ...) -> (hidden, position_bias, ..)
@@ -36,11 +37,6 @@ class T5Policy(EncoderDecoderPolicy):
     local_rng_modules = _ATTENTION  # attention-probability dropout acts on split heads
 
     def set_pipeline_stage_manager(self, stage_manager) -> None:
-        if stage_manager is not None:
-            config = self.model.config
-            if not hasattr(self.model, "decoder"):
-                raise NotImplementedError(f"{type(self.model).__name__} has no decoder: use pp_size=1.")
-            if config.dropout_rate > 0:  # T5Stack applies one dropout module both before and after its blocks
-                raise NotImplementedError(f"T5 with pp_size > 1 needs dropout_rate=0 (got {config.dropout_rate}): "
-                                          f"a stage starting inside a stack would drop its input out twice.")
+        if stage_manager is not None and not hasattr(self.model, "decoder"):
+            raise NotImplementedError(f"{type(self.model).__name__} has no decoder: use pp_size=1.")
         super().set_pipeline_stage_manager(stage_manager)

@@ -22,6 +22,17 @@ Ideal: parameters, gradients and optimizer state = unsharded / (tp*pp) (dp repli
 activations = unsharded / (tp*pp*dp) for the whole batch, and for 1F1B = the m=4 reference (one microbatch of the
 whole model) * in-flight microbatches on the stage (min(pp - stage, m)) / (tp*pp).
 
+ZeRO rows (world 2, (1,1,2), bf16 so that fp32 master weights exist, zero_stage 0/1/2), per rank after one step:
+  optimizer state  bytes of the tensors in the optimizer's state (AdamW exp_avg, exp_avg_sq, 0-dim steps);
+  master weights   bytes of the fp32 tensors the optimizer steps (ZeRO: this rank's segments);
+  gradients        bytes of the distinct gradient storages held at the step: the reduced bf16 gradients (bucket
+                   buffers; ZeRO-2: this rank's reduce-scattered slice) and the fp32 master gradients.
+  Target: zero_stage 1 and 2 hold 1/dp of zero_stage 0's optimizer state and master weights (ZeRO-2 also of the
+  gradients), up to the padding of each bucket to a multiple of dp and the 0-dim step of split parameters.
+Activation checkpointing rows (world 1, (1,1,1), fp32): peak memory of one forward+backward above what was allocated
+before it, from torch.profiler(profile_memory=True) (each op's self allocations minus frees, in time order: all
+allocations including temporaries, at op granularity), with gradient_checkpoint_config off and on (every layer).
+
 Run:  python benchmarks/bench_memory.py        (launches torchrun --nproc_per_node=1, 2 and 4)
 Writes benchmarks/results/bench_memory.json.
 """
@@ -42,6 +53,9 @@ SEQ, BATCH, M = 128, 8, 4
 LAYOUTS = {1: [("(1,1,1)", 1, 1, 1, None), ("(1,1,1) m=4 accumulation", 1, 1, 1, M)],
            2: [("(2,1,1)", 2, 1, 1, None), ("(1,2,1) m=4", 1, 2, 1, M), ("(1,1,2)", 1, 1, 2, None)],
            4: [("(2,2,1) m=4", 2, 2, 1, M)]}
+ZERO_ROWS = [f"(1,1,2) bf16 zero_stage={s}" for s in (0, 1, 2)]
+CKPT_ROWS = ["(1,1,1) activation checkpointing off", "(1,1,1) activation checkpointing on"]
+EXTRA_ROWS = {1: CKPT_ROWS, 2: ZERO_ROWS}
 HERE = os.path.abspath(__file__)
 MiB = 2 ** 20
 
@@ -149,6 +163,55 @@ def measure(label, tp, pp, dp, m, reference, batch):
     return out
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    storages = {}
+    for t in tensors:
+        if t is not None:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def measure_zero(stage, reference, batch):
+    from booster_plugin import Booster, HybridParallelPlugin
+    plugin = HybridParallelPlugin(precision="bf16", zero_stage=stage)
+    booster = Booster(plugin=plugin)
+    model, opt = C.boost_copy(booster, reference)
+    per = BATCH // plugin.dp_size
+    local = {k: v[plugin.dp_rank * per:(plugin.dp_rank + 1) * per] for k, v in batch.items()}
+    booster.backward(model(**local).loss, opt)
+    opt.step()
+    stepped = [q for group in opt.optim.param_groups for q in group["params"]]
+    buckets = model.buckets
+    grads = _storage_bytes([b.buffer for b in buckets] + [b.shard for b in buckets] + [q.grad for q in stepped]
+                           + [p.grad for p in model.parameters()])
+    out = {"dp_rank": plugin.dp_rank, "params": _bytes(model.parameters()),
+           "optimizer": _bytes(t for st in opt.optim.state.values() for t in st.values() if isinstance(t, torch.Tensor)),
+           "master_weights": _bytes(stepped), "gradients": grads}
+    opt.zero_grad()
+    del model, opt, booster, plugin
+    return out
+
+
+def measure_checkpointing(on, reference, batch):
+    from booster_plugin import Booster, GradientCheckpointConfig, HybridParallelPlugin
+    plugin = HybridParallelPlugin(gradient_checkpoint_config=GradientCheckpointConfig() if on else None)
+    booster = Booster(plugin=plugin)
+    model, opt = C.boost_copy(booster, reference)
+    model.train()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        t0 = time.perf_counter()
+        booster.backward(model(**batch).loss, opt)
+        seconds = time.perf_counter() - t0
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    opt.zero_grad()
+    del model, opt, booster, plugin
+    return {"peak_bytes": peak, "held_after_backward": live, "forward_backward_s_profiled": seconds}
+
+
 def worker(out_path: str) -> None:
     rank = C.init_dist(world_size=None)
     world = dist.get_world_size()
@@ -162,10 +225,40 @@ def worker(out_path: str) -> None:
                           "per_rank": C.gather_per_rank(local), "seconds": time.perf_counter() - t0}
         if rank == 0:
             print(f"[world {world}] {label}: {results[label]['seconds']:.0f} s", flush=True)
+    for label in EXTRA_ROWS.get(world, []):
+        if label in ZERO_ROWS:
+            results[label] = {"per_rank": C.gather_per_rank(measure_zero(ZERO_ROWS.index(label), reference, batch))}
+        else:
+            results[label] = measure_checkpointing(label == CKPT_ROWS[1], reference, batch)
     C.worker_done(rank, out_path, results)
 
 
+def report_extras(res) -> list:
+    """Print the ZeRO and activation checkpointing rows; returns the ZeRO ratios off target (÷dp)."""
+    base = res[ZERO_ROWS[0]]["per_rank"]
+    rows, off = [], []
+    for stage, label in enumerate(ZERO_ROWS):
+        for pr, b in zip(res[label]["per_rank"], base):
+            ratios = {k: pr[k] / b[k] for k in ("optimizer", "master_weights", "gradients")}
+            rows.append([label, f"d{pr['dp_rank']}", *[f"{pr[k] / MiB:.2f} ({ratios[k]:.4f})"
+                                                          for k in ("optimizer", "master_weights", "gradients")]])
+            targets = {"optimizer": 0.5, "master_weights": 0.5, "gradients": 0.5 if stage == 2 else None}
+            for k, target in targets.items():
+                if stage and target is not None and abs(ratios[k] - target) > 0.01:
+                    off.append(f"{label} d{pr['dp_rank']}: {k} {ratios[k]:.4f} x zero_stage=0, target {target}")
+    print("\nZeRO at dp=2 (bf16, AdamW): MiB per rank (ratio to zero_stage=0; target 1/dp = 0.5)")
+    print(C.table(["layout", "rank", "optimizer state", "fp32 master weights", "gradients held at step"], rows))
+    off_, on_ = res[CKPT_ROWS[0]], res[CKPT_ROWS[1]]
+    print("\nActivation checkpointing, (1,1,1) fp32: peak MiB of one forward+backward (profiler, above the start)")
+    print(C.table(["checkpointing", "peak MiB", "held after backward MiB", "profiled fwd+bwd s"],
+                  [[lab.rsplit(" ", 1)[1], f"{r['peak_bytes'] / MiB:.1f}", f"{r['held_after_backward'] / MiB:.1f}",
+                    f"{r['forward_backward_s_profiled']:.2f}"] for lab, r in ((CKPT_ROWS[0], off_), (CKPT_ROWS[1], on_))]))
+    print(f"peak with / without: {on_['peak_bytes'] / off_['peak_bytes']:.3f}")
+    return off
+
+
 def report(res, t_start: float) -> None:
+    extras = {k: res.pop(k) for k in ZERO_ROWS + CKPT_ROWS}
     ref = res["(1,1,1)"]["per_rank"][0]
     ref_mb = res["(1,1,1) m=4 accumulation"]["per_rank"][0]["activations_peak"]
     fmt = lambda b, ideal: f"{b / MiB:.1f} ({b / ideal:.2f})" if ideal else f"{b / MiB:.1f}"
@@ -205,7 +298,8 @@ def report(res, t_start: float) -> None:
     print("MiB (measured / ideal); activations = peak of saved-for-backward tensors; ideal as in the file header")
     print(C.table(["layout (tp,pp,dp)", "rank", "params", "grads", "optimizer", "activations / ideal",
                    "act / unsharded", "total (x ideal)", "total / unsharded"], rows))
-    print("\nAbove ideal by more than 5%: " + ("none" if not excess else ""))
+    excess += report_extras(extras)
+    print("\nAbove ideal by more than 5% (ZeRO: off 1/dp by more than 0.01): " + ("none" if not excess else ""))
     for e in excess:
         print("  - " + e)
     # which activations tensor parallelism does not split: saved bytes by module, unsharded vs tp=2 (per rank)
@@ -223,12 +317,14 @@ def report(res, t_start: float) -> None:
            "method": "saved_tensors_hooks: peak live bytes of saved-for-backward storages (params excluded)",
            "env": {"torch": torch.__version__, "backend": "gloo", "cpu_count": os.cpu_count(),
                    "loadavg_at_end": C.loadavg()},
-           "layouts": res, "excess": excess, "total_s": time.perf_counter() - t_start}
+           "layouts": res, "zero": {k: extras[k] for k in ZERO_ROWS},
+           "activation_checkpointing": {k: extras[k] for k in CKPT_ROWS}, "excess": excess, "total_s": time.perf_counter() - t_start}
     print("wrote " + C.write_results(NAME, out))
 
 
 def main() -> None:
-    C.worker_main(HERE, LAYOUTS, worker, report, order=[label for w in sorted(LAYOUTS) for label, *_ in LAYOUTS[w]])
+    C.worker_main(HERE, LAYOUTS, worker, report, order=[label for w in sorted(LAYOUTS) for label, *_ in LAYOUTS[w]]
+                  + ZERO_ROWS + CKPT_ROWS)
 
 
 if __name__ == "__main__":

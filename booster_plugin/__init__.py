@@ -1,6 +1,8 @@
 """Booster and HybridParallelPlugin: compose pipeline and shardformer for training."""
+from .activation_checkpoint import GradientCheckpointConfig
 from .booster import Booster
 from .parallel_module import HybridParallelModule, HybridParallelOptimizer
 from .plugin import HybridParallelPlugin
 
-__all__ = ["Booster", "HybridParallelPlugin", "HybridParallelModule", "HybridParallelOptimizer"]
+__all__ = ["Booster", "HybridParallelPlugin", "HybridParallelModule", "HybridParallelOptimizer",
+           "GradientCheckpointConfig"]

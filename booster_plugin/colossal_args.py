@@ -48,15 +48,6 @@ UNACTED_ARGS: Dict[str, Unacted] = {
     "check_reduction": Unacted(False, False, ""),
     "gradient_as_bucket_view": Unacted(False, False, ""),
     "static_graph": Unacted(False, False, ""),
-    # dynamic loss scaling: only fp16 uses it (refused until fp16 is implemented)
-    "initial_scale": Unacted(2 ** 16, False, ""),
-    "min_scale": Unacted(1, False, ""),
-    "growth_factor": Unacted(2, False, ""),
-    "backoff_factor": Unacted(0.5, False, ""),
-    "growth_interval": Unacted(1000, False, ""),
-    "hysteresis": Unacted(2, False, ""),
-    "max_scale": Unacted(2 ** 32, False, ""),
-    "gradient_checkpoint_config": Unacted(None, False, "recompute activations during backward to save memory"),
     # not implemented and result-changing: refused when asked for
     "sp_size": Unacted(None, True, "sequence parallelism over its own group of sp_size ranks is not implemented; "
                                    "leave sp_size unset"),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -11,6 +11,8 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shardformer.layer.spec import get_tp_spec
+
+from .mixed_precision import DynamicLossScaler
 
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -44,43 +46,93 @@ def _broadcast_params(params: List[nn.Parameter], group: dist.ProcessGroup) -> N
 
 
 class GradBucket:
-    """Gradients of a group of parameters in one flat buffer: one all-reduce, launched as soon as the last of
-    them is accumulated in the step's final backward pass, so the reduction overlaps the rest of the backward."""
+    """Gradients of a group of parameters in one flat buffer: one reduction, launched as soon as the last of them
+    is accumulated in the step's final backward pass, so the reduction overlaps the rest of the backward.
 
-    def __init__(self, params: List[nn.Parameter]) -> None:
+    With ZeRO (`shards` = dp size) the gradient area is padded to a multiple of `shards` and dp rank r owns the
+    r-th of `shards` equal slices. `scatter` (ZeRO-2): the buffer lives only while its reduction runs; the
+    reduction is a reduce-scatter into `shard` (this rank's slice), and the full gradients are released."""
+
+    def __init__(self, params: List[nn.Parameter], shards: int = 1, scatter: bool = False) -> None:
         self.params = params
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
+        self.padded = -(-self.offsets[-1] // shards) * shards
+        self.shard_numel = self.padded // shards
+        self.scatter = scatter
+        self.dtype, self.device = params[0].dtype, params[0].device
         # after the gradients, one flag per parameter: did any replica produce a gradient for it?
-        self.buffer = torch.zeros(self.offsets[-1] + len(params), dtype=params[0].dtype, device=params[0].device)
-        self.has_grad = self.buffer[self.offsets[-1]:]
+        self.buffer: Optional[torch.Tensor] = None if scatter else self._new_buffer()
+        self.shard: Optional[torch.Tensor] = None  # ZeRO-2: this rank's slice of the averaged gradients
+        self.used: List[bool] = [False] * len(params)
         self.ready: set = set()
-        self.work = None
+        self.work: List[Any] = []
+
+    def _new_buffer(self) -> torch.Tensor:
+        return torch.zeros(self.padded + len(self.params), dtype=self.dtype, device=self.device)
+
+    @property
+    def has_grad(self) -> torch.Tensor:
+        return self.buffer[self.padded:]
 
     def view(self, i: int) -> torch.Tensor:
         return self.buffer[self.offsets[i]:self.offsets[i + 1]].view_as(self.params[i])
 
+    @property
+    def launched(self) -> bool:
+        return bool(self.work)
+
     @torch.no_grad()
     def launch(self, group: dist.ProcessGroup) -> None:
+        if self.scatter:
+            self.buffer = self._new_buffer()
         for i, p in enumerate(self.params):
             self.has_grad[i] = p.grad is not None
             if p.grad is None:
                 self.view(i).zero_()
             elif p.grad.data_ptr() != self.view(i).data_ptr():
                 self.view(i).copy_(p.grad)
-        self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
+            if self.scatter:
+                p.grad = None  # ZeRO-2: only this rank's slice is kept
+        if self.scatter:
+            self.shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+            self.work = [dist.reduce_scatter_single(self.shard, self.buffer[:self.padded], group=group, async_op=True),
+                         dist.all_reduce(self.has_grad, group=group, async_op=True)]
+        else:
+            self.work = [dist.all_reduce(self.buffer, group=group, async_op=True)]
 
     @torch.no_grad()
     def finish(self, dp_size: int) -> None:
         """Wait for the reduction; the gradients become views of the averaged buffer (None where no replica had
         one, so that the optimizer skips unused parameters as it would on one process)."""
-        self.work.wait()
-        self.buffer.div_(dp_size)
-        for i, p in enumerate(self.params):
-            p.grad = self.view(i) if self.has_grad[i] > 0 else None
-        self.work = None
+        for work in self.work:
+            work.wait()
+        self.work = []
         self.ready.clear()
+        self.used = [flag > 0 for flag in self.has_grad.tolist()]
+        if self.scatter:
+            self.shard.div_(dp_size)
+            self.buffer = None
+            return
+        self.buffer[:self.padded].div_(dp_size)
+        for i, p in enumerate(self.params):
+            p.grad = self.view(i) if self.used[i] else None
+
+    def shard_grad(self, rank: int) -> torch.Tensor:
+        """ZeRO: the averaged gradients of the slice dp rank `rank` (this rank) owns."""
+        if self.scatter:
+            return self.shard
+        return self.buffer[rank * self.shard_numel:(rank + 1) * self.shard_numel]
+
+    def reset(self) -> None:
+        """Drop a launched reduction and the gradients of a discarded step."""
+        for work in self.work:
+            work.wait()
+        self.work = []
+        self.ready.clear()
+        if self.scatter:
+            self.buffer = self.shard = None
 
 
 class HybridParallelModule(nn.Module):
@@ -88,19 +140,27 @@ class HybridParallelModule(nn.Module):
 
     def __init__(self, module: nn.Module, stage_forward, dp_group: Optional[dist.ProcessGroup],
                  tp_group: Optional[dist.ProcessGroup], pp_group: Optional[dist.ProcessGroup],
-                 shared_params: List[tuple], bucket_bytes: int = BUCKET_BYTES) -> None:
+                 shared_params: List[tuple], zero_stage: int = 0, bucket_bytes: int = BUCKET_BYTES) -> None:
         super().__init__()
         self.module = module
         self._stage_forward = stage_forward
         self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.zero_stage = zero_stage
         self.shared_params = shared_params  # [(parameter, group of the stages holding it, is_owner)]
         # False while gradients accumulate (all but the last microbatch, booster.no_sync): no reduction launched
         self.require_grad_sync = True
         self._buckets: List[GradBucket] = []
         if self.dp_size > 1:  # buckets in reverse order: the backward pass produces the last layers' grads first
             params = [p for p in module.parameters() if p.requires_grad]
-            self._buckets = [GradBucket(b) for b in make_buckets(reversed(params), bucket_bytes)]
+            groups = make_buckets(reversed(params), bucket_bytes)
+            if zero_stage > 0:  # a parameter shared by stages gets a bucket of its own: the same slices everywhere
+                shared = {id(p) for p, _, _ in shared_params}
+                groups = [[p] for p in params if id(p) in shared] + make_buckets(
+                    (p for p in reversed(params) if id(p) not in shared), bucket_bytes)
+            shards = self.dp_size if zero_stage > 0 else 1
+            self._buckets = [GradBucket(b, shards, scatter=zero_stage == 2) for b in groups]
             for bucket in self._buckets:
                 for i, p in enumerate(bucket.params):
                     p.register_post_accumulate_grad_hook(self._grad_ready_hook(bucket, i))
@@ -109,7 +169,7 @@ class HybridParallelModule(nn.Module):
         def hook(param: nn.Parameter) -> None:
             if not self.require_grad_sync:
                 return
-            if bucket.work is not None:
+            if bucket.launched:
                 raise RuntimeError("A second backward pass reached gradients whose data-parallel reduction already "
                                    "started. To accumulate gradients, run all but the last backward inside "
                                    "`with booster.no_sync(model):`, or call optimizer.step()/zero_grad() between.")
@@ -121,10 +181,7 @@ class HybridParallelModule(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Also drops reductions launched for gradients that are now discarded (e.g. a skipped step)."""
         for bucket in self._buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-                bucket.work = None
-            bucket.ready.clear()
+            bucket.reset()
         super().zero_grad(set_to_none=set_to_none)
 
     def unwrap(self) -> nn.Module:
@@ -158,14 +215,29 @@ class HybridParallelModule(nn.Module):
         """Average gradients over data parallel (buckets not launched during the backward pass are launched now,
         e.g. with unused parameters), then sum those of parameters shared by stages (tied embeddings)."""
         for bucket in self._buckets:
-            if bucket.work is None:
+            if not bucket.launched:
                 bucket.launch(self.dp_group)
         for bucket in self._buckets:
             bucket.finish(self.dp_size)
+        if self.zero_stage == 2:  # a shared parameter has a bucket of its own: its slices agree across stages
+            for p, group, _ in self.shared_params:
+                bucket = self.bucket_of(p)
+                dist.all_reduce(bucket.shard_grad(self.dp_rank), group=group)
+                bucket.used = [True]
+            return
         for p, group, _ in self.shared_params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            if p.grad is None:  # (ZeRO-1: in the bucket, whose slices the optimizer reads)
+                p.grad = self.bucket_of(p).view(0).zero_() if self.zero_stage else torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
+            if self.zero_stage:
+                self.bucket_of(p).used = [True]
+
+    @property
+    def buckets(self) -> List[GradBucket]:
+        return self._buckets
+
+    def bucket_of(self, param: nn.Parameter) -> GradBucket:
+        return next(b for b in self._buckets if any(q is param for q in b.params))
 
     @torch.no_grad()
     def sync_params(self) -> None:
@@ -179,50 +251,64 @@ class HybridParallelModule(nn.Module):
         for p, group, _ in self.shared_params:
             dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
 
-    @torch.no_grad()
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """Global gradient norm of the whole (unsharded) model: each parameter element counted once."""
-        counted_elsewhere = {id(p) for p, _, owner in self.shared_params if not owner}
+    def counts_in_norm(self, param: nn.Parameter) -> bool:
+        """Whether this rank counts `param` in the global norm (each element of the whole model once)."""
         tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
-        grads = [p.grad.detach().double() for p in self.module.parameters()
-                 if p.grad is not None and id(p) not in counted_elsewhere
-                 and (get_tp_spec(p) is not None or tp_rank == 0)]  # replicated over tp: count on one tp rank
-        device = grads[0].device if grads else next(self.module.parameters()).device
-        if norm_type == math.inf:
-            total = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
-        else:
-            total = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=device))
-        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        for group in (self.tp_group, self.pp_group):
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(total, op=op, group=group)
-        return total if norm_type == math.inf else total.pow(1.0 / norm_type)
+        if any(p is param and not owner for p, _, owner in self.shared_params):
+            return False
+        return get_tp_spec(param) is not None or tp_rank == 0
+
+
+def global_norm(grads: List[torch.Tensor], groups: Iterable[Optional[dist.ProcessGroup]], norm_type: float,
+                device: torch.device) -> torch.Tensor:
+    """The norm of the union of the gradients held by the ranks of `groups` (each element held by one rank)."""
+    grads = [g.detach().double() for g in grads]
+    if norm_type == math.inf:
+        total = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), dtype=torch.float64,
+                                                                                            device=device)
+    else:
+        total = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=device))
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, op=op, group=group)
+    return total if norm_type == math.inf else total.pow(1.0 / norm_type)
 
 
 class HybridParallelOptimizer:
-    """Wraps the user's optimizer (now over this stage's parameters): gradient sync and clipping before step."""
+    """Wraps the user's optimizer (now over this stage's parameters): gradient sync, loss scaling (fp16), clipping
+    before step. Mixed precision: the optimizer steps fp32 master copies of the (bf16/fp16) model parameters.
+
+    The seams `_master_grads`, `_norm_groups` and `_publish` are where ZeroOptimizer (zero.py) partitions."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: HybridParallelModule, max_norm: float = 0.0,
-                 tracer=None, master_dtype: Optional[torch.dtype] = None) -> None:
+                 tracer=None, master_dtype: Optional[torch.dtype] = None,
+                 scaler: Optional[DynamicLossScaler] = None) -> None:
         self.optim = optimizer
         self.model = model
         self.max_norm = max_norm
         self.tracer = tracer
-        self._grad_norm: Optional[float] = None
-        # mixed precision: the optimizer steps fp32 master copies of the (bf16) model parameters
+        self.scaler = scaler
+        self._device = next(model.parameters()).device
+        self._master_grad_pairs: List[Tuple[nn.Parameter, torch.Tensor]] = []
+        self._grad_norm: Optional[torch.Tensor] = None
+        self._init_weights(master_dtype)
+
+    def _init_weights(self, master_dtype: Optional[torch.dtype]) -> None:
         self.master_of: Dict[int, nn.Parameter] = {}
-        self._pairs: List[tuple] = []
-        if master_dtype is not None:
-            for group in optimizer.param_groups:
-                masters = []
-                for p in group["params"]:
+        self._pairs: List[Tuple[nn.Parameter, nn.Parameter]] = []  # (model parameter, the parameter stepped)
+        for group in self.optim.param_groups:
+            stepped = []
+            for p in group["params"]:
+                master = p
+                if master_dtype is not None:
                     master = nn.Parameter(p.detach().to(master_dtype).clone(), requires_grad=p.requires_grad)
                     if get_tp_spec(p) is not None:
                         master._tp_spec = get_tp_spec(p)
                     self.master_of[id(p)] = master
-                    self._pairs.append((p, master))
-                    masters.append(master)
-                group["params"] = masters
+                self._pairs.append((p, master))
+                stepped.append(master)
+            group["params"] = stepped
 
     def __getattr__(self, name: str) -> Any:
         optim = self.__dict__.get("optim")
@@ -232,16 +318,12 @@ class HybridParallelOptimizer:
             raise AttributeError(f"'HybridParallelOptimizer' object (wrapping {type(optim).__name__}) has no attribute "
                                  f"{name!r}") from None
 
-    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> Optional[float]:
-        """The global gradient norm computed by the last step (ColossalAI's semantics: with `max_norm` > 0, the norm
-        before clipping; None before the first step or without clipping)."""
-        return self._grad_norm
-
     def unwrap(self) -> torch.optim.Optimizer:
         return self.optim
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        loss.backward(**kwargs)
+        """Backward of the (last stage's) loss, scaled by the fp16 loss scale."""
+        (self.scaler.scale_loss(loss) if self.scaler is not None else loss).backward(**kwargs)
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         torch.autograd.backward(tensor, grad)
@@ -259,8 +341,46 @@ class HybridParallelOptimizer:
             elif id(p) in stepped:
                 yield name, p
 
+    def load_master_weight(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """A checkpoint set `param` (model load): its fp32 master copy, if any, takes the same values."""
+        if id(param) in self.master_of:
+            self.master_of[id(param)].copy_(value)
+
+    def unpartitioned(self, load: bool = False) -> contextlib.AbstractContextManager:
+        """For checkpoint_io: the inner optimizer as if on one data-parallel rank (already so here; ZeRO gathers)."""
+        return contextlib.nullcontext()
+
+    def gathered_grads(self) -> Dict[int, Optional[torch.Tensor]]:
+        """{id(model parameter): the gradient the optimizer stepped for it (unscaled, clipped), or None}."""
+        return {id(p): master.grad for p, master in self._pairs}
+
+    # -- seams -------------------------------------------------------------------------------------------
+    def _master_grads(self) -> List[Tuple[nn.Parameter, torch.Tensor]]:
+        """After sync_grads: give each stepped parameter its gradient; (model parameter, gradient) pairs."""
+        out = []
+        for p, master in self._pairs:
+            if master is not p:
+                master.grad = None if p.grad is None else p.grad.to(master.dtype)
+            if master.grad is not None:
+                out.append((p, master.grad))
+        return out
+
+    def _norm_groups(self) -> Tuple[Optional[dist.ProcessGroup], ...]:
+        """The groups whose ranks hold disjoint parts of the gradients this rank counts in the norm."""
+        return self.model.tp_group, self.model.pp_group
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        """After the step: the model parameters take the stepped values."""
+        for p, master in self._pairs:
+            if master is not p:
+                p.copy_(master)
+
+    # ------------------------------------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        total = self.model.grad_norm(norm_type)
+        """Scale the stepped gradients to a global norm of at most `max_norm`; returns the norm. Collective."""
+        grads = [g for p, g in self._master_grad_pairs if self.model.counts_in_norm(p)]
+        total = self._grad_norm = global_norm(grads, self._norm_groups(), norm_type, self._device)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for group in self.optim.param_groups:
             for p in group["params"]:
@@ -268,17 +388,25 @@ class HybridParallelOptimizer:
                     p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
         return total
 
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> Optional[float]:
+        """The global gradient norm (whole model, each element once, before clipping) of the last step that clipped
+        (max_norm > 0), as ColossalAI's; None before such a step."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
     def step(self, *args, **kwargs):
         with self.tracer.span("optimizer") if self.tracer is not None else contextlib.nullcontext():
             self.model.sync_grads()
-            for p, master in self._pairs:
-                master.grad = None if p.grad is None else p.grad.to(master.dtype)
+            self._master_grad_pairs = self._master_grads()
+            if self.scaler is not None:  # fp16: one decision for the world; every rank skips the same steps
+                overflow = self.scaler.unscale_and_check([g for _, g in self._master_grad_pairs])
+                self.scaler.update(overflow)
+                if overflow:
+                    self.zero_grad()
+                    return None
             if self.max_norm > 0:
-                self._grad_norm = float(self.clip_grad_norm(self.max_norm))
+                self.clip_grad_norm(self.max_norm)
             result = self.optim.step(*args, **kwargs)
-            with torch.no_grad():
-                for p, master in self._pairs:
-                    p.copy_(master)
+            self._publish()
             return result
 
     def state_dict(self) -> Dict[str, Any]:

@@ -18,13 +18,17 @@ from shardformer.parallelformers import as_policy
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sharder import ShardConfig, Sharder
 
+from .activation_checkpoint import GradientCheckpointConfig, apply_activation_checkpointing
 from .batch_check import BatchLimits, agree_on_batch, label_vocab_of, vocab_of
 from .colossal_args import check_unacted_args
 from .failure import FailureGuard
+from .mixed_precision import DynamicLossScaler, LossScalerConfig
 from .parallel_module import HybridParallelModule, HybridParallelOptimizer
+from .zero import ZeroOptimizer, check_zero_optimizer
 
 DP_AXIS, PP_AXIS, TP_AXIS = 0, 1, 2
-_SUPPORTED_PRECISIONS = ("fp32", "bf16")
+_SUPPORTED_PRECISIONS = ("fp32", "bf16", "fp16")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def default_device() -> torch.device:
@@ -49,7 +53,17 @@ def ensure_distributed(timeout: Optional[float] = None) -> None:
     if torch.accelerator.is_available():
         kind = torch.accelerator.current_accelerator().type
         backend = f"cpu:gloo,{kind}:{dist.Backend.default_device_backend_map.get(kind, 'gloo')}"
-    dist.init_process_group(backend, **({"timeout": timedelta(seconds=timeout)} if timeout else {}))
+    kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts: keys of a previous attempt (the dead ranks' addresses)
+        # would be read by the new one, so each attempt gets its own prefix
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              int(os.environ["WORLD_SIZE"]), is_master=False,
+                              timeout=timedelta(seconds=timeout or 1800))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        kwargs.update(store=dist.PrefixStore(f"hybrid_parallel/attempt_{attempt}", store),
+                      rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend, **kwargs)
 
 
 def _alias(alias: str, alias_value: Optional[int], name: str, value: int) -> int:
@@ -105,6 +119,9 @@ class HybridParallelPlugin:
                  seed: int = 1024, trace: Optional[bool] = None,
                  loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]] = None, timeout: Optional[float] = None,
                  check_batches: bool = True,
+                 initial_scale: float = 2 ** 16, growth_factor: float = 2, backoff_factor: float = 0.5,
+                 growth_interval: int = 1000, hysteresis: int = 2, min_scale: float = 1, max_scale: float = 2 ** 32,
+                 gradient_checkpoint_config: Optional[GradientCheckpointConfig] = None,
                  tp: Optional[int] = None, pp: Optional[int] = None, **colossalai_kwargs: Any) -> None:
         # every check before the first collective, so that bad input fails the same way on every rank
         tp_size, pp_size = _alias("tp", tp, "tp_size", tp_size), _alias("pp", pp, "pp_size", pp_size)
@@ -121,8 +138,15 @@ class HybridParallelPlugin:
             _check_int("microbatch_size", microbatch_size, 1)
         if precision not in _SUPPORTED_PRECISIONS:
             raise ValueError(f"precision={precision!r} is not supported; use one of {_SUPPORTED_PRECISIONS}.")
-        if zero_stage != 0:
-            raise NotImplementedError("zero_stage > 0 is not implemented; use zero_stage=0.")
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage={zero_stage!r} is not supported; use 0, 1 or 2.")
+        self.scaler_config = LossScalerConfig(initial_scale, growth_factor, backoff_factor, growth_interval,
+                                              hysteresis, min_scale, max_scale)
+        if precision == "fp16":
+            self.scaler_config.check()
+        if gradient_checkpoint_config is not None:
+            gradient_checkpoint_config.check(pp_size)
+        self.gradient_checkpoint_config = gradient_checkpoint_config
         if pp_style != "1f1b" or num_model_chunks != 1:
             raise NotImplementedError(f"pp_style={pp_style!r} with num_model_chunks={num_model_chunks} is not "
                                       f"implemented; use pp_style='1f1b' with num_model_chunks=1.")
@@ -152,6 +176,10 @@ class HybridParallelPlugin:
                              f"launch a multiple of {tp_size * pp_size} processes or change the sizes.")
         self.tp_size, self.pp_size = tp_size, pp_size
         self.dp_size = world // (tp_size * pp_size)
+        if zero_stage > 0 and self.dp_size == 1:
+            raise ValueError(f"zero_stage={zero_stage} partitions over data parallel, but dp size is 1 (world {world} "
+                             f"= tp_size {tp_size} * pp_size {pp_size}): use zero_stage=0 or more processes.")
+        self.zero_stage = zero_stage
         self.precision, self.max_norm, self.custom_policy = precision, max_norm, custom_policy
         self.parallel_output, self.make_vocab_size_divisible_by = parallel_output, make_vocab_size_divisible_by
         self.seed, self.check_batches, self.timeout = seed, check_batches, timeout
@@ -216,6 +244,8 @@ class HybridParallelPlugin:
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
         if isinstance(model, HybridParallelModule):
             raise ValueError("This model is already boosted.")
+        if optimizer is not None and self.zero_stage > 0:
+            check_zero_optimizer(optimizer, self.zero_stage)
         param_names: Dict[int, list] = {}
         for name, p in model.named_parameters(remove_duplicate=False):  # a tied parameter has several names
             param_names.setdefault(id(p), []).append(name)
@@ -235,8 +265,11 @@ class HybridParallelPlugin:
             rng_tracker=rng_tracker)
         sharder = Sharder(model, policy, shard_config)
         shared_names = sharder.shard()
-        if self.precision == "bf16":
-            model.to(torch.bfloat16)
+        apply_activation_checkpointing(model, list(policy.layer_list()), self.stage_manager.stage,
+                                       self.stage_manager.layers_per_virtual_stage(policy.num_layers()),
+                                       self.gradient_checkpoint_config, rng_tracker)
+        if self.precision in _DTYPES:
+            model.to(_DTYPES[self.precision])
         sharder._materialize(self.device)  # lazy init: a model built on the meta device gets only this rank's shard
         model.to(self.device)
 
@@ -249,15 +282,16 @@ class HybridParallelPlugin:
                 shared.append((params[names[self.stage]], group, self.stage == stages[0]))
         module = HybridParallelModule(model, sharder.stage_forward, self.dp_group if self.dp_size > 1 else None,
                                       self.tp_group if self.tp_size > 1 else None,
-                                      self.pp_group if self.pp_size > 1 else None, shared,
+                                      self.pp_group if self.pp_size > 1 else None, shared, self.zero_stage,
                                       bucket_bytes=self.bucket_bytes)
         module.policy, module.full_params, module.batch_limits = policy, full_params, batch_limits
         module.sync_params()
         if optimizer is not None:
             _rebind_optimizer(optimizer, param_names, params)
-            optimizer = HybridParallelOptimizer(optimizer, module, self.max_norm,
-                                                tracer=self.schedule.tracer if self.schedule else None,
-                                                master_dtype=torch.float32 if self.precision != "fp32" else None)
+            wrapper = ZeroOptimizer if self.zero_stage > 0 else HybridParallelOptimizer
+            scaler = DynamicLossScaler(self.scaler_config, self.device) if self.precision == "fp16" else None
+            optimizer = wrapper(optimizer, module, self.max_norm, tracer=self.schedule.tracer if self.schedule else None,
+                                master_dtype=torch.float32 if self.precision != "fp32" else None, scaler=scaler)
         return module, optimizer, criterion, dataloader, lr_scheduler
 
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,

@@ -3,7 +3,8 @@ gradients and parameters after AdamW steps as the unsharded model on one process
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict
+import os
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -98,8 +99,14 @@ def microbatch_mean_loss(model, batch: Dict[str, torch.Tensor], microbatch_size:
 
 
 def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int = 8, lr: float = 1e-3,
-                   max_norm: float = 0.0, **plugin_kwargs) -> None:
-    """Train the boosted model and the unsharded reference on the same global batches and compare everything."""
+                   max_norm: float = 0.0, tol: float = 1e-5, save_to: Optional[str] = None,
+                   resume_from: Optional[Tuple[str, int]] = None, **plugin_kwargs) -> None:
+    """Train the boosted model and the unsharded reference on the same global batches and compare everything.
+
+    `tol` loosens the comparison for mixed precision (the reference stays fp32). The gradients compared are those
+    the optimizer stepped (fp32 masters, unscaled; with ZeRO all-gathered from the dp slices). `save_to`: save
+    model and optimizer there at the end; `resume_from=(directory, n)`: load them (saved after step n) and train
+    steps n..steps-1 (the reference trains all)."""
     plugin = HybridParallelPlugin(max_norm=max_norm, **plugin_kwargs)
     booster = Booster(plugin=plugin)
     reference = build(kind, layers)
@@ -115,6 +122,9 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
     tp_group = plugin.tp_group if plugin.tp_size > 1 else None
     mb = plugin_kwargs.get("microbatch_size") or local_batch // plugin_kwargs.get("num_microbatches", 1)
     dp, dp_rank = plugin.dp_size, plugin.dp_rank
+    if resume_from is not None:
+        booster.load_model(model, os.path.join(resume_from[0], "model"))
+        booster.load_optimizer(opt, os.path.join(resume_from[0], "optimizer"))
     for step in range(steps):
         global_batch = make_batch(kind, local_batch * dp, seed=100 + step)
         local = {k: v[dp_rank * local_batch:(dp_rank + 1) * local_batch] for k, v in global_batch.items()}
@@ -125,8 +135,10 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
                                                        for k, v in global_batch.items()}, mb) for r in range(dp)]
         ref_loss = torch.stack(ref_losses).mean()
         ref_loss.backward()
-        if max_norm > 0:
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm) if max_norm > 0 else None
+        if resume_from is not None and step < resume_from[1]:  # the boosted model resumes from a checkpoint
+            ref_opt.step()
+            continue
         ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
 
         opt.zero_grad()
@@ -136,18 +148,26 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
         else:
             loss = criterion(model(**local), local)
             booster.backward(loss, opt)
-        assert_close(loss.detach(), ref_losses[dp_rank].detach(), f"{kind} step {step} loss")
+        assert_close(loss.detach().float(), ref_losses[dp_rank].detach(), f"{kind} step {step} loss", tol)
         opt.step()  # reduces gradients over stages and replicas, clips, steps
         ref_opt.step()
+        if ref_norm is not None:
+            assert_close(torch.tensor(opt.get_grad_norm()), ref_norm.float(), f"{kind} step {step} gradient norm", tol)
+        stepped_grads = opt.gathered_grads()  # (p.grad with fp32 and zero_stage=0)
         for name, p in model.unwrap().named_parameters():
+            grad = stepped_grads.get(id(p))
             if name not in ref_grads:  # unused by this loss (e.g. BERT's pooler): no gradient here either
-                assert p.grad is None, f"{kind}: unused {name} got a gradient"
+                assert grad is None, f"{kind}: unused {name} got a gradient"
                 continue
-            assert p.grad is not None, f"{kind}: held parameter {name} got no gradient"
-            assert_close(gathered(p, p.grad, tp_group), ref_grads[name], f"{kind} step {step} grad of {name}")
+            assert grad is not None, f"{kind}: held parameter {name} got no gradient"
+            assert_close(gathered(p, grad.float(), tp_group), ref_grads[name], f"{kind} step {step} grad of {name}", tol)
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
         for name, p in model.unwrap().named_parameters():
-            assert_close(gathered(p, p.data, tp_group), ref_params[name].data, f"{kind} step {step} param {name}")
+            assert_close(gathered(p, p.data.float(), tp_group), ref_params[name].data, f"{kind} step {step} param {name}",
+                         tol)
+    if save_to is not None:
+        booster.save_model(model, os.path.join(save_to, "model"))
+        booster.save_optimizer(opt, os.path.join(save_to, "optimizer"))
 
 
 def check_evaluation(kind: str, layers: int = 4, local_batch: int = 8, **plugin_kwargs) -> None:

@@ -9,6 +9,7 @@ from pipeline.p2p import flatten, unflatten
 from pipeline.schedule import split_batch
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
+from tests.test_memory import eight_rank_cases as eight_rank_memory_cases
 
 
 # -- pure logic -------------------------------------------------------------------------------------------------
@@ -249,6 +250,7 @@ def _eight_ranks():
     for kind in ("gpt2_lm", "llama_lm"):
         mu.check_training(kind, pp_size=4, num_microbatches=4)
     mu.check_evaluation("llama_lm", pp_size=4, num_microbatches=4)
+    eight_rank_memory_cases()  # ZeRO-1/2 at (tp, pp, dp) = (2, 2, 2), from test_memory.py
 
 
 def test_pipeline_eight_ranks():

@@ -92,14 +92,12 @@ class HybridParallelCheckpointIO:
         pending, error = self._guarded_read(model_ckpt.read_model, module, os.fspath(checkpoint), strict,
                                             verify_checksums, num_threads)
         self.agree(error, f"load_model({checkpoint!r})")
-        masters = {}
-        for opt in list(_OPTIMIZERS.get(module, ())):
-            masters.update(getattr(opt, "master_of", {}))
+        optimizers = list(_OPTIMIZERS.get(module, ()))
         with torch.no_grad():
             for p, t in pending:
                 p.copy_(t)
-                if id(p) in masters:  # bf16 training: the optimizer's fp32 copy takes the checkpoint's values
-                    masters[id(p)].copy_(t)
+                for opt in optimizers:  # mixed precision: the fp32 master weights (ZeRO: this rank's slice) too
+                    opt.load_master_weight(p, t)
 
     # -- optimizer -----------------------------------------------------------------------------------------------
     def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
@@ -107,18 +105,24 @@ class HybridParallelCheckpointIO:
         """Always sharded by (stage, tp rank) into directory `checkpoint`; `shard`, `gather_dtensor` and
         `size_per_shard` are accepted for ColossalAI compatibility and do not change that."""
         self.synchronize()
-        optim_ckpt.save_optimizer(self, optimizer, os.fspath(checkpoint), prefix, use_async)
+        optim_ckpt.optimizer_parts(optimizer)  # type check before any collective
+        with optimizer.unpartitioned():  # ZeRO: saved as if unpartitioned (the files are the same for any zero_stage)
+            optim_ckpt.save_optimizer(self, optimizer, os.fspath(checkpoint), prefix, use_async)
 
     def load_optimizer(self, optimizer, checkpoint: str, prefix: Optional[str] = None, low_cpu_mem_mode: bool = True,
                        num_threads: int = 1, *, strict: bool = True, verify_checksums: bool = True) -> None:
         """From any layout, matching param groups and state by parameter name. `strict=False`: state for parameters
         the model does not have (or missing state) is skipped with a warning naming them."""
         self.synchronize()
-        parts = optim_ckpt.optimizer_parts(optimizer)
-        loaded, error = self._guarded_read(optim_ckpt.read_optimizer, parts, os.fspath(checkpoint), prefix, strict,
-                                           verify_checksums, num_threads)
-        self.agree(error, f"load_optimizer({checkpoint!r})")
-        optim_ckpt.apply_optimizer(parts.optim, loaded)
+        optim_ckpt.optimizer_parts(optimizer)  # type check before any collective
+        with optimizer.unpartitioned(load=True):  # ZeRO: loaded unpartitioned, then sliced back
+            parts = optim_ckpt.optimizer_parts(optimizer)
+            loaded, error = self._guarded_read(optim_ckpt.read_optimizer, parts, os.fspath(checkpoint), prefix,
+                                               strict, verify_checksums, num_threads)
+            self.agree(error, f"load_optimizer({checkpoint!r})")
+            optim_ckpt.apply_optimizer(parts.optim, loaded)
+            if optimizer.scaler is not None and loaded.loss_scaler is not None:  # fp16: the loss scale comes back
+                optimizer.scaler.load_state_dict(loaded.loss_scaler)
 
     # -- lr scheduler ----------------------------------------------------------------------------------------------
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:

@@ -121,12 +121,15 @@ def save_optimizer(io: "HybridParallelCheckpointIO", optimizer, checkpoint: str,
 
     files = [base_format.format(s, t) for s in range(plugin.pp_size) for t in range(plugin.tp_size)]
 
+    scaler_state = optimizer.scaler.state_dict() if optimizer.scaler is not None else None
+
     def commit() -> None:
         checksums = {f: fmt.file_checksums(os.path.join(tmp, f + ".safetensors")) for f in files}
         fmt.write_json(os.path.join(tmp, index_name), {
             "format": "hybrid_parallel.optimizer", "version": 2, "layout": layout,
             "optimizer": type(parts.optim).__name__, "num_param_groups": len(parts.optim.param_groups),
-            "files": files, "checksums": {"algorithm": fmt.CHECKSUM_KEY, "files": checksums}})
+            "files": files, "checksums": {"algorithm": fmt.CHECKSUM_KEY, "files": checksums},
+            **({"loss_scaler": scaler_state} if scaler_state is not None else {})})
         atomic.swap_into_place(checkpoint)
 
     writers = {plugin.pg_mesh.ravel((0, s, t)) for s in range(plugin.pp_size) for t in range(plugin.tp_size)}
@@ -138,6 +141,7 @@ class Loaded(NamedTuple):
     state: Dict[nn.Parameter, Dict[str, Any]]      # new state of each parameter this rank steps
     hyper: List[Optional[Dict[str, Any]]]          # new hyperparameters of each param group (None: keep)
     warning: Optional[str]                         # strict=False: what was skipped
+    loss_scaler: Optional[Dict[str, Any]] = None   # fp16: the saved loss scaler's state
 
 
 def _matched_hyper(parts: OptimizerParts, metas: Dict[str, Any], resolve) -> List[Optional[Dict[str, Any]]]:
@@ -267,7 +271,8 @@ def read_optimizer(io: "HybridParallelCheckpointIO", parts: OptimizerParts, chec
                 state[key] = value
             new_state[p] = state
     fmt.verify_all(list(checks.values()), num_threads)
-    return Loaded(new_state, hyper, f"load_optimizer({checkpoint!r}): {'; '.join(problems)}" if problems else None)
+    return Loaded(new_state, hyper, f"load_optimizer({checkpoint!r}): {'; '.join(problems)}" if problems else None,
+                  index.get("loss_scaler"))
 
 
 def apply_optimizer(optim: torch.optim.Optimizer, loaded: Loaded) -> None:

@@ -67,6 +67,15 @@ class TPRNGTracker:
         self._local_states = self._fresh_states(base_seed + _LOCAL_SEED_OFFSET + get_tp_rank(group))
         return base_seed
 
+    @property
+    def local_states(self) -> list[Tensor] | None:
+        """The private state (replaced, never mutated, as it advances): activation checkpointing replays from it."""
+        return self._local_states
+
+    @local_states.setter
+    def local_states(self, states: list[Tensor] | None) -> None:
+        self._local_states = states
+
     def enter_local(self) -> None:
         """Swap the private per-rank state in (re-entrant)."""
         if self._local_states is None:

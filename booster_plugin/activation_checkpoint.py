@@ -1,0 +1,85 @@
+"""Activation checkpointing of the decoder layers inside each pipeline stage, through the model's own
+`gradient_checkpointing_enable()` (transformers' GradientCheckpointingLayer, torch.utils.checkpoint non-reentrant).
+
+transformers checkpoints a layer's `forward`, not `__call__`, so module hooks on the layer (the pipeline stage-exit
+hook) do not run again in the recomputation; torch's checkpoint restores the default RNG state (the dropout masks
+of replicated activations). What it cannot know is the tensor-parallel tracker's private per-rank state (dropout
+on split heads, shardformer/layer/dropout.py): `_with_tracker_state` replays the recomputation from the private
+state the forward started with and leaves the tracker's progression untouched, so masks are identical.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence
+
+from torch import nn
+
+from shardformer.layer.dropout import TPRNGTracker
+
+
+@dataclass
+class GradientCheckpointConfig:
+    """How many held decoder layers each pipeline stage checkpoints (the first ones of the stage).
+
+    `num_ckpt_layers_per_stage` (one count per stage, like ColossalAI's PipelineGradientCheckpointConfig) wins;
+    else `gradient_checkpointing_ratio` of each stage's layers (rounded down; ColossalAI's GradientCheckpointConfig).
+    """
+    gradient_checkpointing_ratio: float = 1.0
+    num_ckpt_layers_per_stage: Optional[Sequence[int]] = None
+
+    def check(self, pp_size: int) -> None:
+        if not 0.0 <= self.gradient_checkpointing_ratio <= 1.0:
+            raise ValueError(f"gradient_checkpoint_config: gradient_checkpointing_ratio="
+                             f"{self.gradient_checkpointing_ratio} must be in [0, 1].")
+        counts = self.num_ckpt_layers_per_stage
+        if counts is not None and (len(counts) != pp_size or any(int(c) != c or c < 0 for c in counts)):
+            raise ValueError(f"gradient_checkpoint_config: num_ckpt_layers_per_stage={list(counts)} must hold "
+                             f"pp_size={pp_size} non-negative integers.")
+
+    def num_ckpt_layers(self, stage: int, num_layers: int) -> int:
+        if self.num_ckpt_layers_per_stage is not None:
+            return int(self.num_ckpt_layers_per_stage[stage])
+        return int(self.gradient_checkpointing_ratio * num_layers)
+
+
+def _with_tracker_state(checkpoint_fn: Callable, tracker: TPRNGTracker) -> Callable:
+    def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+        forward_state = tracker.local_states  # the private state this layer's forward starts from
+        calls = []
+
+        def run(*a: Any, **k: Any) -> Any:
+            calls.append(None)
+            if len(calls) == 1:  # the forward itself
+                return function(*a, **k)
+            progressed, tracker.local_states = tracker.local_states, forward_state  # the recomputation
+            try:
+                return function(*a, **k)
+            finally:
+                tracker.local_states = progressed
+
+        return checkpoint_fn(run, *args, **kwargs)
+
+    return checkpoint
+
+
+def apply_activation_checkpointing(model: nn.Module, held_layers: Sequence[nn.Module], stage: int,
+                                   layers_per_stage: List[int], config: Optional[GradientCheckpointConfig],
+                                   tracker: Optional[TPRNGTracker]) -> None:
+    """Checkpoint the first layers of this stage as `config` says (all held layers when the user enabled it on
+    the model and gave no config); nothing when neither asks for it. Raises ValueError, the same on every rank,
+    when a stage would checkpoint more layers than it holds."""
+    enabled = any(getattr(layer, "gradient_checkpointing", False) for layer in held_layers)
+    if config is None and not enabled:
+        return
+    config = config or GradientCheckpointConfig()
+    counts = [config.num_ckpt_layers(s, n) for s, n in enumerate(layers_per_stage)]
+    too_many = [(s, c, n) for s, (c, n) in enumerate(zip(counts, layers_per_stage)) if c > n]
+    if too_many:
+        raise ValueError("gradient_checkpoint_config asks stage(s) for more checkpointed layers than they hold: "
+                         + ", ".join(f"stage {s}: {c} of {n}" for s, c, n in too_many) + ".")
+    if not enabled:  # transformers 5.x: gradient_checkpointing_enable() is a deprecated alias of this
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    for i, layer in enumerate(held_layers):
+        layer.gradient_checkpointing = i < counts[stage]
+        if tracker is not None and layer.gradient_checkpointing:
+            layer._gradient_checkpointing_func = _with_tracker_state(layer._gradient_checkpointing_func, tracker)

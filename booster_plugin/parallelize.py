@@ -130,7 +130,7 @@ def parallelize(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
         optimizer: an optimizer over `model.parameters()`, or None.
         mesh: a `ProcessGroupMesh(dp, pp, tp)`, sizes {"dp": .., "pp": .., "mp": ..} (dp defaults to the rest of
             the world), or None (every rank data parallel).
-        config: {"dp_config": {"sharding_level": 0}, "mp_config": {"parallelize_plan": {pattern: plan},
+        config: {"dp_config": {"sharding_level": 0 | 1 | 2}, "mp_config": {"parallelize_plan": {pattern: plan},
             "divide_attributes": {pattern: (attr,)}}, "pp_config": {"split_spec": "model.layers" |
             {name: SplitPoint.END}, "accumulate_steps": microbatches (default pp)}}.
 
@@ -144,7 +144,7 @@ def parallelize(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     level = config.get("dp_config", {}).get("sharding_level", 0)
     if level not in (0, 1, 2):
         raise NotImplementedError(f"dp_config sharding_level={level} is not supported; use 0 (plain data parallel), "
-                                  f"or 1/2 (ZeRO stage 1/2, when the plugin supports zero_stage).")
+                                  f"1 or 2 (ZeRO stage 1 / 2: optimizer state, and gradients, partitioned over dp).")
     mp_config, pp_config = config.get("mp_config", {}), config.get("pp_config", {})
     styles = resolve_plan(model, mp_config.get("parallelize_plan", {}))
     layers, per_stage = "", None
@@ -159,13 +159,8 @@ def parallelize(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     policy = PlanPolicy(model, styles, layers, mp_config.get("divide_attributes"))
     _refuse_undivided_heads(model, policy, styles, tp)
     microbatches = pp_config.get("accumulate_steps", pp) if pp > 1 else None
-    try:
-        plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=microbatches, zero_stage=level,
-                                      custom_policy=policy, num_layers_per_stage=per_stage)
-    except NotImplementedError as err:
-        if not level:
-            raise
-        raise NotImplementedError(f"dp_config sharding_level={level} maps to zero_stage={level}: {err}") from err
+    plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=microbatches, zero_stage=level,
+                                  custom_policy=policy, num_layers_per_stage=per_stage)
     if dp != plugin.dp_size:
         raise ValueError(f"mesh dp={dp} but the world leaves dp={plugin.dp_size}.")
     booster = Booster(plugin=plugin)

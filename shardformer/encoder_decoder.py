@@ -70,6 +70,11 @@ class EncoderDecoderPolicy(Policy):
     def num_layers(self) -> int:
         return sum(self._stack_sizes())
 
+    def layer_list(self) -> nn.ModuleList:
+        """The (held) encoder layers followed by the (held) decoder layers."""
+        base = self.model.base_model
+        return nn.ModuleList([*base.get_submodule(self.encoder_layers), *base.get_submodule(self.decoder_layers)])
+
     def _bounds(self) -> List[int]:
         bounds = [0]
         for k in self.layers_per_stage():

@@ -117,15 +117,16 @@ class TranslatedPolicy(ShardPolicy):
         self.tp_plan = {}
         for path, policy in self._lists.items():
             self.tp_plan.update(self._plan_of(base.get_submodule(path), path, policy))
+        # the list a pipeline splits; with several lists (pp=1 only) the first, which one stage holds whole
+        self.layers = next(iter(self._lists))
 
     def set_pipeline_stage_manager(self, stage_manager) -> None:
-        """With a pipeline, derive the split (one forward on dummy inputs): the layer list, entry and exit."""
-        if stage_manager is not None:
+        """With several stages, derive the split (one forward on dummy inputs): the layer list, entry and exit."""
+        if stage_manager is not None and stage_manager.num_stages > 1:
             if len(self._lists) != 1:
                 raise NotImplementedError(
                     f"The pipeline split is derived from one list of blocks; this model has {len(self._lists)} "
                     f"({', '.join(self._lists)}). Use pp_size=1 with these policies.")
-            self.layers = next(iter(self._lists))
             self.entry, self.exit = derive_entry_exit(self.model, self.model.base_model, self.layers)
         super().set_pipeline_stage_manager(stage_manager)
 

@@ -184,6 +184,13 @@ def resolve_split(model: nn.Module, split_spec: Union[str, Mapping[str, SplitPoi
     return layers_path, [b - a for a, b in zip(edges, edges[1:])]
 
 
+def _first_layer_list(base: nn.Module) -> str:
+    lists = [name for name, m in base.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"{type(base).__name__} has no list of layers to hold as one pipeline stage.")
+    return lists[0]
+
+
 def _has(model: nn.Module, path: str) -> bool:
     try:
         model.get_submodule(path)
@@ -213,7 +220,9 @@ class PlanPolicy(Policy):
         self.head_tp_plan = {p: s for p, s in styles.items() if not p.startswith(prefix)}
         if layers and not layers.startswith(prefix):
             raise ValueError(f"split_spec={layers!r} is outside the base model ({prefix.rstrip('.')}).")
-        self.layers = layers[len(prefix):]
+        # the list a pipeline splits; without one (pp=1) the built-in policy's or the base model's first list
+        self.layers = layers[len(prefix):] or (self.known.layers if self.known is not None else
+                                              _first_layer_list(model.base_model))
         for attr in ("tp_attributes", "tp_divisible", "tp_input_regions", "local_rng_modules", "shared_rng_modules"):
             setattr(self, attr, getattr(self.known, attr) if self.known is not None else getattr(Policy, attr))
         if divide_attributes:
@@ -225,7 +234,7 @@ class PlanPolicy(Policy):
             self.known.set_model(model)
 
     def set_pipeline_stage_manager(self, stage_manager) -> None:
-        if stage_manager is not None:
+        if stage_manager is not None and stage_manager.num_stages > 1:
             self.entry, self.exit = derive_entry_exit(self.model, self.model.base_model, self.layers)
         super().set_pipeline_stage_manager(stage_manager)
 

@@ -131,11 +131,3 @@ def test_t5_stage_starting_inside_the_encoder_does_not_drop_its_input_out_again(
     assert torch.equal(seen[0], hidden) and len(exit_calls) == 1 and out.loss is not None
     stage(hidden_states=hidden, **batch)  # every forward skips its first call again
     assert torch.equal(seen[1], hidden) and len(exit_calls) == 2
-
-
-def test_t5_pipeline_refusals():
-    from shardformer.policies.t5 import T5Policy
-    policy = T5Policy()
-    policy.set_model(mu.build("t5_lm").encoder)
-    with pytest.raises(NotImplementedError, match="no decoder"):
-        policy.set_pipeline_stage_manager(object())

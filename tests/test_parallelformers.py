@@ -91,7 +91,7 @@ def test_translation_is_the_hand_written_policy():
     assert policy.tp_attributes == {"h.*.attn": ("embed_dim", "split_size", "num_heads")}
 
     class Stages:  # the split is derived only when a pipeline is asked for
-        pass
+        num_stages = 2
     policy.set_pipeline_stage_manager(Stages())
     assert (policy.layers, policy.entry, policy.exit) == ("h", GPT2Policy.entry, GPT2Policy.exit)
 
@@ -160,7 +160,7 @@ def test_encoder_and_decoder_policies_cover_both_stacks_and_refuse_pp():
     assert policy.tp_plan["decoder.layers.*.encoder_attn.out_proj"] == Rowwise()
     assert "encoder.layers.*.encoder_attn.q_proj" not in policy.tp_plan
     with pytest.raises(NotImplementedError, match="Use pp_size=1"):
-        policy.set_pipeline_stage_manager(object())
+        policy.set_pipeline_stage_manager(type("Stages", (), {"num_stages": 2})())
 
 
 def four_ranks():

@@ -132,17 +132,18 @@ def _compare(run, plugin_kwargs, steps=2, local_batch=8):
 
 def four_ranks():
     _compare(_readme_example, dict(tp_size=2, pp_size=2, num_microbatches=2))
-    _compare(_with({"dp": 2, "pp": 2}, {"pp_config": {"split_spec": {"model.layers.0": SplitPoint.END},
-                                                        "accumulate_steps": 2}}),
-             dict(pp_size=2, num_microbatches=2, num_layers_per_stage=[1, 3]))
+    _compare(_with({"dp": 2, "pp": 2}, {"dp_config": {"sharding_level": 2},  # ZeRO-2
+                                        "pp_config": {"split_spec": {"model.layers.0": SplitPoint.END},
+                                                      "accumulate_steps": 2}}),
+             dict(pp_size=2, num_microbatches=2, num_layers_per_stage=[1, 3], zero_stage=2))
     _compare(_with({"dp": 2, "mp": 2}, {"mp_config": {"parallelize_plan": LLAMA_PLAN}}),  # no pipeline
              dict(tp_size=2, num_microbatches=1))
     assert _sizes(ProcessGroupMesh(2, 2, 1)) == (2, 2, 1) == _sizes({"pp": 2})
     assert _sizes(None) == (4, 1, 1)
     with pytest.raises(ValueError, match="needs 8 processes"):
         _sizes({"dp": 2, "pp": 2, "mp": 2})
-    with pytest.raises(NotImplementedError, match="sharding_level=1 maps to zero_stage=1"):
-        parallelize(mu.build("llama_lm"), config={"dp_config": {"sharding_level": 1}})
+    with pytest.raises(NotImplementedError, match="sharding_level=3 is not supported"):
+        parallelize(mu.build("llama_lm"), config={"dp_config": {"sharding_level": 3}})
     with pytest.raises(ValueError, match="divide_attributes"):  # OPT: no built-in policy, num_heads to divide
         parallelize(mu.build("opt_lm"), mesh={"mp": 2}, config={"mp_config": {"parallelize_plan": {
             "model.decoder.layers.*.self_attn.q_proj": ColWiseParallel()}}})

@@ -17,7 +17,7 @@ _FAMILIES: Dict[Type[Policy], tuple] = {
     LlamaPolicy: ("LlamaModel", "LlamaForCausalLM", "LlamaForSequenceClassification"),
     MistralPolicy: ("MistralModel", "MistralForCausalLM", "MistralForSequenceClassification"),
     Qwen2Policy: ("Qwen2Model", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
-    T5Policy: ("T5ForConditionalGeneration", "T5Model", "T5EncoderModel"),
+    T5Policy: ("T5ForConditionalGeneration", "T5Model"),
     BartPolicy: ("BartForConditionalGeneration", "BartModel"),
     BertPolicy: ("BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification"),
 }

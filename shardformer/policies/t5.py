@@ -35,8 +35,3 @@ class T5Policy(EncoderDecoderPolicy):
     tp_attributes = {a: ("n_heads",) for a in _ATTENTION}
     tp_divisible = ("num_heads", "d_ff")
     local_rng_modules = _ATTENTION  # attention-probability dropout acts on split heads
-
-    def set_pipeline_stage_manager(self, stage_manager) -> None:
-        if stage_manager is not None and not hasattr(self.model, "decoder"):
-            raise NotImplementedError(f"{type(self.model).__name__} has no decoder: use pp_size=1.")
-        super().set_pipeline_stage_manager(stage_manager)

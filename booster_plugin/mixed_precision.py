@@ -56,21 +56,9 @@ class DynamicLossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
-    @torch.no_grad()
     def unscale_and_check(self, grads: List[torch.Tensor]) -> bool:
         """Divide `grads` (fp32) by the scale in place; True when any rank of the world saw inf or nan."""
-        found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
-        by_device: Dict[torch.device, List[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        for device, group in by_device.items():
-            flag = torch.zeros(1, dtype=torch.float32, device=device)
-            inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
-            found_inf += flag.to(self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-        return bool(found_inf.item() > 0)
+        return bool(nonfinite_stages(grads, 1.0 / self.scale, self.device, 0, 1).any())
 
     def update(self, overflow: bool) -> None:
         c = self.config
@@ -93,6 +81,25 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self.growth_step = int(state["growth_step"])
         self.hysteresis_step = int(state["hysteresis_step"])
+
+
+@torch.no_grad()
+def nonfinite_stages(grads: List[torch.Tensor], inv_scale: float, device: torch.device, stage: int,
+                     num_stages: int) -> torch.Tensor:
+    """Multiply `grads` (fp32) by `inv_scale` in place and find inf/nan with torch's AMP kernel; returns, agreed
+    over the world (one all-reduce), a bool per pipeline stage: did any rank of that stage see one?"""
+    found = torch.zeros(num_stages, dtype=torch.float32, device=device)
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for where, group in by_device.items():
+        flag = torch.zeros(1, dtype=torch.float32, device=where)
+        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=where)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+        found[stage] += flag.to(device)[0]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return found > 0
 
 
 SCALER_ARGS = tuple(f.name for f in fields(LossScalerConfig))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -12,7 +13,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shardformer.layer.spec import get_tp_spec
 
-from .mixed_precision import DynamicLossScaler
+from .mixed_precision import DynamicLossScaler, nonfinite_stages
 
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -145,6 +146,8 @@ class HybridParallelModule(nn.Module):
         self.module = module
         self._stage_forward = stage_forward
         self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
+        self.stage = dist.get_rank(pp_group) if pp_group is not None else 0
+        self.num_stages = dist.get_world_size(pp_group) if pp_group is not None else 1
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.zero_stage = zero_stage
@@ -283,12 +286,14 @@ class HybridParallelOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: HybridParallelModule, max_norm: float = 0.0,
                  tracer=None, master_dtype: Optional[torch.dtype] = None,
-                 scaler: Optional[DynamicLossScaler] = None) -> None:
+                 scaler: Optional[DynamicLossScaler] = None, on_nonfinite: str = "skip") -> None:
         self.optim = optimizer
         self.model = model
         self.max_norm = max_norm
         self.tracer = tracer
         self.scaler = scaler
+        self.on_nonfinite = on_nonfinite  # "skip" | "raise" | "ignore" (fp32/bf16; fp16's scaler always skips)
+        self.steps = 0
         self._device = next(model.parameters()).device
         self._master_grad_pairs: List[Tuple[nn.Parameter, torch.Tensor]] = []
         self._grad_norm: Optional[torch.Tensor] = None
@@ -388,6 +393,16 @@ class HybridParallelOptimizer:
                     p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
         return total
 
+    def _nonfinite(self, stages: List[int]) -> None:
+        """Every rank alike: skip the step (warning on rank 0) or raise, so no parameter turns NaN silently."""
+        what = (f"optimizer step {self.steps}: non-finite (inf/nan) gradients on pipeline stage(s) {stages}; the "
+                f"step is skipped on every rank and the gradients are dropped")
+        self.zero_grad()
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(what.replace("the step is skipped", "raising (on_nonfinite='raise')"))
+        if dist.get_rank() == 0:
+            warnings.warn(what + " (on_nonfinite='skip').", stacklevel=3)
+
     def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> Optional[float]:
         """The global gradient norm (whole model, each element once, before clipping) of the last step that clipped
         (max_norm > 0), as ColossalAI's; None before such a step."""
@@ -397,11 +412,18 @@ class HybridParallelOptimizer:
         with self.tracer.span("optimizer") if self.tracer is not None else contextlib.nullcontext():
             self.model.sync_grads()
             self._master_grad_pairs = self._master_grads()
+            self.steps += 1
+            grads = [g for _, g in self._master_grad_pairs]
             if self.scaler is not None:  # fp16: one decision for the world; every rank skips the same steps
-                overflow = self.scaler.unscale_and_check([g for _, g in self._master_grad_pairs])
+                overflow = self.scaler.unscale_and_check(grads)
                 self.scaler.update(overflow)
                 if overflow:
                     self.zero_grad()
+                    return None
+            elif self.on_nonfinite != "ignore":  # fp32/bf16: the same agreed check, without scaling
+                stages = nonfinite_stages(grads, 1.0, self._device, self.model.stage, self.model.num_stages)
+                if stages.any():
+                    self._nonfinite([s for s, bad in enumerate(stages.tolist()) if bad])
                     return None
             if self.max_norm > 0:
                 self.clip_grad_norm(self.max_norm)

@@ -104,6 +104,9 @@ class HybridParallelPlugin:
         trace: record a timeline of the schedule (also HP_TRACE=1).
         loss_weight_fn: `micro_batch -> number of loss items`, for a token-weighted loss.
         timeout: seconds a collective may wait before every rank fails (process-group timeout; default torch's).
+        on_nonfinite: inf/nan gradients at `optimizer.step()` (detected by one all-reduced flag): "skip" the step
+            on every rank with a warning naming the step and stages (default), "raise" FloatingPointError on every
+            rank, or "ignore" (step anyway, as one process would). fp16's loss scaler always skips.
         check_batches: agree on each step's batch over the world (one small all-gather), so a bad batch on any rank
             (shapes differing within a replica, ids or labels outside the vocabulary, a batch that does not split)
             raises the same error on every rank instead of hanging the others.
@@ -118,7 +121,7 @@ class HybridParallelPlugin:
                  enable_metadata_cache: bool = True, ddp_bucket_cap_mb: float = 25, p2p_transport: str = "p2p",
                  seed: int = 1024, trace: Optional[bool] = None,
                  loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]] = None, timeout: Optional[float] = None,
-                 check_batches: bool = True,
+                 check_batches: bool = True, on_nonfinite: str = "skip",
                  initial_scale: float = 2 ** 16, growth_factor: float = 2, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 2, min_scale: float = 1, max_scale: float = 2 ** 32,
                  gradient_checkpoint_config: Optional[GradientCheckpointConfig] = None,
@@ -166,6 +169,8 @@ class HybridParallelPlugin:
         if pp_size > 1 and num_microbatches is not None and num_microbatches < pp_size:
             raise ValueError(f"1F1B needs num_microbatches >= pp_size to fill the pipeline: got "
                              f"num_microbatches={num_microbatches}, pp_size={pp_size}.")
+        if on_nonfinite not in ("skip", "raise", "ignore"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}: use 'skip', 'raise' or 'ignore'.")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds.")
         ensure_distributed(timeout)
@@ -182,7 +187,7 @@ class HybridParallelPlugin:
         self.zero_stage = zero_stage
         self.precision, self.max_norm, self.custom_policy = precision, max_norm, custom_policy
         self.parallel_output, self.make_vocab_size_divisible_by = parallel_output, make_vocab_size_divisible_by
-        self.seed, self.check_batches, self.timeout = seed, check_batches, timeout
+        self.seed, self.check_batches, self.timeout, self.on_nonfinite = seed, check_batches, timeout, on_nonfinite
         self.bucket_bytes = int(ddp_bucket_cap_mb * 1024 * 1024)
         self.device = default_device()
 
@@ -265,8 +270,8 @@ class HybridParallelPlugin:
             rng_tracker=rng_tracker)
         sharder = Sharder(model, policy, shard_config)
         shared_names = sharder.shard()
-        apply_activation_checkpointing(model, list(policy.layer_list()), self.stage_manager.stage,
-                                       self.stage_manager.layers_per_virtual_stage(policy.num_layers()),
+        apply_activation_checkpointing(model, list(policy.layer_list()), self.stage,
+                                       self._stage_manager.layers_per_virtual_stage(policy.num_layers()),
                                        self.gradient_checkpoint_config, rng_tracker)
         if self.precision in _DTYPES:
             model.to(_DTYPES[self.precision])
@@ -291,7 +296,8 @@ class HybridParallelPlugin:
             wrapper = ZeroOptimizer if self.zero_stage > 0 else HybridParallelOptimizer
             scaler = DynamicLossScaler(self.scaler_config, self.device) if self.precision == "fp16" else None
             optimizer = wrapper(optimizer, module, self.max_norm, tracer=self.schedule.tracer if self.schedule else None,
-                                master_dtype=torch.float32 if self.precision != "fp32" else None, scaler=scaler)
+                                master_dtype=torch.float32 if self.precision != "fp32" else None, scaler=scaler,
+                                on_nonfinite=self.on_nonfinite)
         return module, optimizer, criterion, dataloader, lr_scheduler
 
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,

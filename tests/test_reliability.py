@@ -42,6 +42,7 @@ CONFIG_CASES = [
     (dict(custom_policy=Policy), TypeError, "custom_policy must be a shardformer.Policy instance"),
     (dict(loss_weight_fn=len), ValueError, "loss_weight_fn weighs the microbatches"),
     (dict(timeout=-1), ValueError, "timeout=-1 must be a positive number of seconds"),
+    (dict(on_nonfinite="nan"), ValueError, "on_nonfinite='nan': use 'skip', 'raise' or 'ignore'"),
     (dict(ddp_bucket_cap_mb=0), ValueError, "ddp_bucket_cap_mb=0 must be > 0"),
     (dict(make_vocab_size_divisible_by=0), ValueError, "make_vocab_size_divisible_by must be an integer >= 1"),
 ]
@@ -223,6 +224,37 @@ def _check_evaluation_outputs_in_train_mode():
             assert out["outputs"] is None
 
 
+def _check_nonfinite_gradients_skip_or_raise_everywhere():
+    """An inf gradient on stage 1 only: every rank skips the step (no parameter changes, rank 0 warns naming the
+    step and stage), or with on_nonfinite="raise" every rank raises; the next good step trains."""
+    import warnings
+
+    for mode in ("skip", "raise"):
+        booster = Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2, on_nonfinite=mode))
+        model = mu.build("llama_lm")
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        before = {n: p.detach().clone() for n, p in model.unwrap().named_parameters()}
+        victim = next(p for p in model.unwrap().parameters())
+        handle = victim.register_hook(lambda g: g * float("inf")) if booster.plugin.stage == 1 else None
+        booster.execute_pipeline(iter([mu.make_batch("llama_lm", 4, 0)]), model, mu.criterion, opt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if mode == "raise":
+                with pytest.raises(FloatingPointError, match="optimizer step 1: non-finite .* stage\\(s\\) \\[1\\]"):
+                    opt.step()
+            else:
+                assert opt.step() is None
+        mine = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+        assert len(mine) == (1 if mode == "skip" and dist.get_rank() == 0 else 0), mine
+        for n, p in model.unwrap().named_parameters():
+            assert torch.equal(p.data, before[n]), f"{mode}: {n} changed in a skipped step"
+        if handle is not None:
+            handle.remove()
+        booster.execute_pipeline(iter([mu.make_batch("llama_lm", 4, 1)]), model, mu.criterion, opt)
+        opt.step()
+        assert any(not torch.equal(p.data, before[n]) for n, p in model.unwrap().named_parameters())
+
+
 def _two_ranks():
     _check_cases(CONFIG_CASES)
     _check_cases(BOOST_CASES)
@@ -231,6 +263,7 @@ def _two_ranks():
     _check_zero_label_microbatch_under_tp()
     _check_replicas_made_identical_over_tp()
     _check_evaluation_outputs_in_train_mode()
+    _check_nonfinite_gradients_skip_or_raise_everywhere()
     mu.check_training("gpt2_lm", tp_size=2, num_microbatches=2)  # the group still trains after all of the above
 
 

@@ -14,6 +14,7 @@ from torch.utils.data.distributed import DistributedSampler
 from pipeline.trace import ScheduleTracer
 from pipeline.schedule import split_batch
 from pipeline import OneForwardOneBackwardSchedule, PipelineP2PCommunication, PipelineStageManager, ProcessGroupMesh
+from shardformer.parallelformers import as_policy
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sharder import ShardConfig, Sharder
 
@@ -91,7 +92,8 @@ class HybridParallelPlugin:
             divisor of its batch size in [pp_size, 4 * pp_size] as the number of microbatches.
         precision: "fp32" (default; ColossalAI's default is "fp16") or "bf16" (fp32 master weights).
         max_norm: clip the global gradient norm (0: off).
-        custom_policy: a `shardformer.Policy` for a model without a built-in one.
+        custom_policy: a `shardformer.Policy` for a model without a built-in one, or Parallelformers-style block
+            policies (a class, an instance or a list; `shardformer.parallelformers`).
         num_layers_per_stage: the layer split, e.g. [3, 5]; default: even, remainder to the middle stages.
         parallel_output: keep the LM head's logits vocab-sharded in training (vocab-parallel loss).
         make_vocab_size_divisible_by: vocabulary padding multiple per tp rank.
@@ -160,9 +162,7 @@ class HybridParallelPlugin:
         if p2p_transport not in ("p2p", "broadcast"):
             raise ValueError(f"p2p_transport={p2p_transport!r}: use 'p2p' or 'broadcast'.")
         _check_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by, 1)
-        if custom_policy is not None and not isinstance(custom_policy, Policy):
-            raise TypeError(f"custom_policy must be a shardformer.Policy instance, got {type(custom_policy).__name__}"
-                            f" (pass an instance: custom_policy=MyPolicy()).")
+        custom_policy = as_policy(custom_policy)  # ours as is, Parallelformers-style translated, else TypeError
         if loss_weight_fn is not None and pp_size == 1 and not (num_microbatches or microbatch_size):
             raise ValueError("loss_weight_fn weighs the microbatches of execute_pipeline: also give num_microbatches "
                              "(or microbatch_size).")

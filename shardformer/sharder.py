@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .layer.spec import get_tp_spec
-from .policies.base import Colwise, Policy, Rowwise, VocabEmbedding, VocabHead, match
+from .policies.base import Colwise, HeadEmbedding, Policy, Rowwise, VocabEmbedding, VocabHead, match
 from .stage import (Released, StageForward, StageInput, get_submodule_parent, held_layer_list, replace_submodule,
                     stand_in_for)
 
@@ -150,6 +150,10 @@ class Sharder:
     # -- pipeline ----------------------------------------------------------------------------------------
     def _release_unheld_layers(self) -> None:
         policy, sm, model = self.policy, self.shard_config.pipeline_stage_manager, self.model
+        release = getattr(policy, "release_unheld_layers", None)
+        if release is not None:  # a policy with its own stage structure (encoder-decoder)
+            self.stage_forward = release()
+            return
         prefix = policy.base_prefix
         base = model.base_model
         start, end = sm.get_stage_index(policy.layers_per_stage())
@@ -201,6 +205,7 @@ class Sharder:
     def _replace_modules(self) -> None:
         from .layer import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_size,
                             vocab_parallel_lm_head)
+        from .layer.head_embedding import HeadParallelEmbedding
         from .layer.loss import parallel_causal_lm_loss
 
         cfg, group = self.shard_config, self.shard_config.tensor_parallel_process_group
@@ -226,6 +231,8 @@ class Sharder:
                     start = new.output_start
                     vocab = module.out_features
                     self.model.loss_function = _ParallelCausalLMLoss(parallel_causal_lm_loss, group, start, vocab)
+            elif isinstance(style, HeadEmbedding):
+                new = HeadParallelEmbedding(module, group)
             else:
                 raise TypeError(f"Unknown parallel style {style!r} for {path}.")
             replace_submodule(self.model, path, new)

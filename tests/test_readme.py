@@ -49,7 +49,22 @@ def _boosted_setup():
     return dict(booster=booster, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler)
 
 
-SETUPS = {"gpt2": _gpt2_setup, "opt": _opt_setup, "boosted": _boosted_setup, "none": dict}
+def _llama_setup():
+    model = mu.build("llama_lm")
+    return dict(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                batches=[mu.make_batch("llama_lm", 8, seed) for seed in range(2)])
+
+
+def _t5_setup():
+    import tests.test_encoder_decoder  # noqa: F401  (registers the "t5_lm" builder)
+
+    model = mu.build("t5_lm", 3)
+    return dict(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                batch=mu.make_batch("t5_lm", 8, 0))
+
+
+SETUPS = {"gpt2": _gpt2_setup, "opt": _opt_setup, "boosted": _boosted_setup, "llama": _llama_setup,
+          "t5": _t5_setup, "none": dict}
 
 
 def _run_blocks(blocks, workdir: str) -> None:

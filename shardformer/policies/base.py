@@ -41,7 +41,12 @@ class VocabHead:
     gather_output: bool = False
 
 
-ParallelStyle = Colwise | Rowwise | VocabEmbedding | VocabHead
+@dataclass(frozen=True)
+class HeadEmbedding:
+    """Embedding columns (e.g. T5's relative position bias, one per head) split over tp ranks; no communication."""
+
+
+ParallelStyle = Colwise | Rowwise | VocabEmbedding | VocabHead | HeadEmbedding
 
 
 class Policy:

@@ -12,7 +12,7 @@ from torch import nn
 
 from .layer.spec import get_tp_spec
 from .policies.base import Colwise, Policy, Rowwise, VocabEmbedding, VocabHead, match
-from .stage import (Released, StageForward, StageInput, get_submodule_parent, held_layer_list, replace_submodule,
+from .stage import (Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
                     stand_in_for)
 
 
@@ -160,16 +160,12 @@ class Sharder:
         base = model.base_model
         start, end = sm.get_stage_index(policy.layers_per_stage())
         layers = policy.layer_list()
-        stage_input = None
         if not sm.is_first_stage():
             for path, kind in policy.entry.items():
                 parent, name = get_submodule_parent(base, path)
                 if getattr(parent, name, None) is None:  # optional module this model does not have
                     continue
-                stand_in = stand_in_for(kind, base.get_submodule(path))
-                replace_submodule(base, path, stand_in)
-                if isinstance(stand_in, StageInput):
-                    stage_input = stand_in
+                replace_submodule(base, path, stand_in_for(kind, base.get_submodule(path)))
         if not sm.is_last_stage():
             for path in policy.exit:
                 if getattr(*get_submodule_parent(base, path)) is not None:
@@ -177,6 +173,7 @@ class Sharder:
             for name in policy.head_modules():
                 setattr(model, name, Released(name))
         exit_layer = layers[end - 1] if not sm.is_last_stage() else None
+        entry_layer = layers[start] if not sm.is_first_stage() else None
         replace_submodule(model, prefix + policy.layers, held_layer_list(layers, start, end))
         overrides = policy.stage_config_overrides(start, end)
         if overrides:  # a stage-local config view for the base model's loop; the model's own config is untouched
@@ -184,7 +181,7 @@ class Sharder:
             for key, value in overrides.items():
                 setattr(base.config, key, value)
         if not (sm.is_first_stage() and sm.is_last_stage()):
-            self.stage_forward = StageForward(model, stage_input, exit_layer)
+            self.stage_forward = StageForward(model, entry_layer, exit_layer)
 
     # -- tensor parallel ---------------------------------------------------------------------------------
     def _tied_names(self) -> List[List[str]]:
@@ -214,7 +211,7 @@ class Sharder:
         multiple = cfg.make_vocab_size_divisible_by
         for path, module in list(self.model.named_modules()):
             style = self._style_of(path)
-            if style is None or isinstance(module, (Released, StageInput)) or not list(module.parameters()):
+            if style is None or isinstance(module, Released) or not list(module.parameters()):
                 continue
             if isinstance(style, Colwise):
                 new = ColumnParallelLinear.from_native_module(module, group, gather_output=style.gather_output,

@@ -3,6 +3,7 @@ with tensor-parallel ones, re-tie shared weights — and returns what the runtim
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .layer.spec import get_tp_spec
-from .policies.base import Colwise, Policy, Rowwise, VocabEmbedding, VocabHead, match
+from .policies.base import Colwise, GradAllReduce, Policy, Rowwise, VocabEmbedding, VocabHead, match
 from .stage import (Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
                     stand_in_for)
 
@@ -203,7 +204,8 @@ class Sharder:
 
     def _replace_modules(self) -> None:
         from .layer import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_size,
-                            vocab_parallel_lm_head)
+                            reduce_from_tp, vocab_parallel_lm_head)
+        from .layer.vocab_split import shard_embedding_in_place
         from .layer.loss import parallel_causal_lm_loss
 
         cfg, group = self.shard_config, self.shard_config.tensor_parallel_process_group
@@ -217,7 +219,14 @@ class Sharder:
                 new = ColumnParallelLinear.from_native_module(module, group, gather_output=style.gather_output,
                                                               n_fused=style.n_fused)
             elif isinstance(style, Rowwise):
-                new = RowParallelLinear.from_native_module(module, group)
+                new = RowParallelLinear.from_native_module(module, group, input_is_parallel=not style.split_input)
+            elif isinstance(style, GradAllReduce):
+                for p in module.parameters():  # summed before accumulation, so per-microbatch sums add up
+                    p.register_hook(functools.partial(reduce_from_tp, group=group))
+                continue
+            elif isinstance(style, VocabEmbedding) and type(module).forward is not nn.Embedding.forward:
+                shard_embedding_in_place(module, group, multiple)  # its own forward (e.g. scaled) on local ids
+                continue
             elif isinstance(style, VocabEmbedding):
                 new = VocabParallelEmbedding.from_native_module(module, group, make_vocab_size_divisible_by=multiple)
             elif isinstance(style, VocabHead):
@@ -245,26 +254,19 @@ class Sharder:
                     setattr(parent, attr, source)
 
     def _enter_tp_regions_once(self) -> None:
-        """One copy_to_tp at the input of a region (e.g. attention) instead of one per column layer inside it."""
+        """One copy_to_tp at the input of a region (e.g. attention) instead of one per column layer inside it; a
+        column layer whose input is not exactly the region's copied input still copies its own."""
         from .layer import ColumnParallelLinear, copy_to_tp
 
         group, prefix = self.shard_config.tensor_parallel_process_group, self.policy.base_prefix
-
-        def enter(module, args, kwargs):
-            if args:
-                return (copy_to_tp(args[0], group), *args[1:]), kwargs
-            key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
-            return args, {**kwargs, key: copy_to_tp(kwargs[key], group)}
-
         for path, region in self.model.named_modules():
             rel = path[len(prefix):] if path.startswith(prefix) else None
             if rel is None or not any(match(p, rel) for p in self.policy.tp_input_regions):
                 continue
             columns = [m for m in region.modules() if isinstance(m, ColumnParallelLinear)]
             if columns:
-                region.register_forward_pre_hook(enter, with_kwargs=True)
-                for column in columns:
-                    column.input_is_copied = True
+                region.register_forward_pre_hook(_RegionEntry(columns, group, copy_to_tp), with_kwargs=True)
+                region.register_forward_hook(_RegionExit(columns))
 
     def _change_attributes(self) -> None:
         tp, prefix = self.shard_config.tp_size, self.policy.base_prefix
@@ -291,6 +293,36 @@ class Sharder:
                 wrap_module_forward_in_local_rng(module, tracker)
             elif any(match(p, rel) for p in self.policy.shared_rng_modules):
                 wrap_module_forward_in_shared_rng(module, tracker)
+
+
+class _RegionEntry:
+    """Forward pre-hook: copy the region's input to the tp region once and tell its column layers."""
+
+    def __init__(self, columns, group, copy_to_tp) -> None:
+        self.columns, self.group, self.copy_to_tp = columns, group, copy_to_tp
+
+    def __call__(self, module, args, kwargs):
+        if args:
+            copied = self.copy_to_tp(args[0], self.group)
+            args = (copied, *args[1:])
+        else:
+            key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+            copied = self.copy_to_tp(kwargs[key], self.group)
+            kwargs = {**kwargs, key: copied}
+        for column in self.columns:
+            column.copied_input = copied
+        return args, kwargs
+
+
+class _RegionExit:
+    """Forward hook: forget the region's copied input (no reference kept past the region's forward)."""
+
+    def __init__(self, columns) -> None:
+        self.columns = columns
+
+    def __call__(self, module, args, output):
+        for column in self.columns:
+            column.copied_input = None
 
 
 class _ParallelCausalLMLoss:

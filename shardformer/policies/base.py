@@ -27,7 +27,15 @@ class Colwise:
 
 @dataclass(frozen=True)
 class Rowwise:
-    """Input features split over tp ranks; the output is all-reduced and the bias added once."""
+    """Input features split over tp ranks; the output is all-reduced and the bias added once. With `split_input`
+    the layer receives the full (replicated) input and keeps its own chunk."""
+    split_input: bool = False
+
+
+@dataclass(frozen=True)
+class GradAllReduce:
+    """Replicated parameters that see only this rank's part of a split activation (e.g. a per-head q/k norm after
+    a column-parallel projection): their gradients are summed over the tp ranks."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,7 @@ class VocabHead:
     gather_output: bool = False
 
 
-ParallelStyle = Colwise | Rowwise | VocabEmbedding | VocabHead
+ParallelStyle = Colwise | Rowwise | GradAllReduce | VocabEmbedding | VocabHead
 
 
 class Policy:

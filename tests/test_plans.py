@@ -1,12 +1,13 @@
 """Models without a hand-written policy train exactly through the policy derived from their transformers plans:
 a handful that exercise different features, under tp, pp and tp x pp, against the unsharded model."""
 import pytest
-import torch.distributed as dist
 import transformers
 
-from booster_plugin import Booster, HybridParallelPlugin
+from shardformer.check.cli import main as check_main
+from shardformer.check.compare import compare
 from shardformer.check.tiny import tiny_config
-from shardformer.policies import PlanRefused, get_autopolicy
+from shardformer.policies import Colwise, Policy, PlanRefused, Rowwise, VocabEmbedding, VocabHead, get_autopolicy
+from shardformer.policies.base import INPUT
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 
@@ -29,13 +30,50 @@ for _family in FAMILIES:
 KINDS = [f"{f.lower()}_lm" for f in FAMILIES]
 
 
+class Qwen3WithoutNormSum(Policy):
+    """A deliberately wrong policy: Llama's layout for Qwen3, forgetting that the per-head q/k norms see only this
+    rank's heads (their gradients must be summed over tp)."""
+    layers = "layers"
+    entry = {"embed_tokens": INPUT}
+    exit = ("norm",)
+    tp_plan = {"embed_tokens": VocabEmbedding(), "layers.*.self_attn.q_proj": Colwise(),
+               "layers.*.self_attn.k_proj": Colwise(), "layers.*.self_attn.v_proj": Colwise(),
+               "layers.*.self_attn.o_proj": Rowwise(), "layers.*.mlp.gate_proj": Colwise(),
+               "layers.*.mlp.up_proj": Colwise(), "layers.*.mlp.down_proj": Rowwise()}
+    head_tp_plan = {"lm_head": VocabHead()}
+
+
 def _four_ranks(kinds):
     for kind in kinds:
         mu.check_training(kind, steps=1, tp_size=2)  # dp 2
         mu.check_training(kind, steps=1, pp_size=2, num_microbatches=2)  # dp 2
         mu.check_training(kind, tp_size=2, pp_size=2, num_microbatches=2)
+    build = mu.MODELS["qwen3_lm"]
+    assert compare(build, 2, 2) == ("pass", "", compare(build, 2, 2).max_loss_error)
+    verdict = compare(build, 2, 2, policy=Qwen3WithoutNormSum())
+    assert verdict.result == "fail" and verdict.detail.startswith(
+        "gradient of model.layers.0.self_attn.q_norm.weight differs"), verdict
 
 
 @pytest.mark.parametrize("kinds", [KINDS])
 def test_derived_policies_train_exactly(kinds):
     run_distributed(4, _four_ranks, kinds)
+
+
+def test_checker_cli_names_the_wrong_gradient(capsys):
+    """`python -m shardformer.check` spawns its own processes and names the first differing parameter."""
+    assert check_main(["Qwen3ForCausalLM", "--tp", "2", "--pp", "1",
+                       "--policy", "tests.test_plans:Qwen3WithoutNormSum"]) == 1
+    assert "FAIL Qwen3ForCausalLM tp=2 pp=1: gradient of model.layers.0.self_attn.q_norm.weight" in \
+        capsys.readouterr().out
+
+
+def test_refusals_name_module_and_style():
+    """A plan that cannot be honoured exactly is refused before any collective, naming module and style."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    with pytest.raises(PlanRefused, match=r"layers\.\*\.mlp\.experts.* 'moe_tp_experts': mixture-of-experts"):
+        get_autopolicy(MixtralForCausalLM(tiny_config(MixtralConfig, num_local_experts=2)))
+    model = mu.MODELS["qwen3_lm"]()
+    model._tp_plan = {**model._tp_plan, "model.layers.*.mlp.up_proj": "diagonal"}  # the plan transformers built
+    with pytest.raises(PlanRefused, match=r"'layers\.\*\.mlp\.up_proj' uses style 'diagonal'"):
+        get_autopolicy(model)

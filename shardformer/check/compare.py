@@ -54,7 +54,7 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
     try:
         model, opt, *_ = Booster(plugin=plugin).boost(model, opt, criterion)
     except (NotImplementedError, ValueError) as refused:  # raised on every rank before any collective
-        return Verdict("refused", str(refused).splitlines()[0])
+        return Verdict("refused", str(refused).splitlines()[0].split(" Supported models:")[0])
     reference.train()
     model.train()
     local_size = MICROBATCH * max(pp, 2)
@@ -68,7 +68,8 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
     torch.stack(ref_losses).mean().backward()
     ref_loss = torch.stack(ref_losses[plugin.dp_rank * (len(ref_losses) // dp):
                                       (plugin.dp_rank + 1) * (len(ref_losses) // dp)]).mean()
-    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False)
+                 if p.grad is not None}
     loss = plugin.execute_pipeline(iter([local]), model, criterion, opt, return_loss=True)["loss"]
     opt.step()
     ref_opt.step()

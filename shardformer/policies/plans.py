@@ -87,6 +87,7 @@ class PlanPolicy(Policy):
         self.tp_input_regions = tuple(sorted({p.rpartition(".")[0] for p in columns if "." in p}))
         self.local_rng_modules = tuple(sorted({p.rpartition(".")[0] for p, s in self.tp_plan.items()
                                                if isinstance(s, Colwise) and not s.gather_output and "." in p}))
+        self.tp_plan.update(self._split_activation_params(model.base_model))
         config = model.config
         splits_heads = any(not s.gather_output for p, s in self.tp_plan.items() if isinstance(s, Colwise))
         self.tp_divisible = tuple(a for a in ("num_attention_heads", "num_key_value_heads")
@@ -113,6 +114,17 @@ class PlanPolicy(Policy):
                         raise PlanRefused(f"tp plan shards '{path}' ({type(module).__name__}) as "
                                           f"{type(style).__name__}, which needs a {need.__name__}.")
 
+    def _split_activation_params(self, base: nn.Module) -> Dict[str, GradAllReduce]:
+        """Modules with parameters inside a region whose column layers split their outputs (e.g. a learnable
+        activation between up and down projections) see only this rank's part: their gradients are summed."""
+        regions = [path for path, _ in _matching(base, self.local_rng_modules)]
+        found = {}
+        for path, module in base.named_modules():
+            if any(path.startswith(r + ".") for r in regions) and next(module.parameters(recurse=False), None) \
+                    is not None and not any(match(p, path) for p in self.tp_plan):
+                found[path] = GradAllReduce()
+        return found
+
     def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
         # the models' loops pick a layer's mask (and rotary) by its position in the loop over the held layers
         types = getattr(self.model.config, "layer_types", None)
@@ -132,6 +144,10 @@ def _relative(plan: Dict[str, object], prefix: str) -> Tuple[Dict[str, object], 
         else:
             base[path] = value
     return base, head
+
+
+def _matching(base: nn.Module, patterns) -> List[Tuple[str, nn.Module]]:
+    return [(path, m) for path, m in base.named_modules() if any(match(p, path) for p in patterns)]
 
 
 def _get(module: nn.Module, path: str) -> Optional[nn.Module]:

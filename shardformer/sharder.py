@@ -3,7 +3,6 @@ with tensor-parallel ones, re-tie shared weights — and returns what the runtim
 from __future__ import annotations
 
 import copy
-import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -12,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .layer.spec import get_tp_spec
-from .policies.base import Colwise, GradAllReduce, Policy, Rowwise, VocabEmbedding, VocabHead, match
+from .policies.base import Colwise, GradAllReduce, KVHeads, Policy, Rowwise, VocabEmbedding, VocabHead, match
 from .stage import (Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
                     stand_in_for)
 
@@ -204,7 +203,8 @@ class Sharder:
 
     def _replace_modules(self) -> None:
         from .layer import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_size,
-                            reduce_from_tp, vocab_parallel_lm_head)
+                            vocab_parallel_lm_head)
+        from .layer.replicated import keep_own_head, sum_grads_over_tp
         from .layer.vocab_split import shard_embedding_in_place
         from .layer.loss import parallel_causal_lm_loss
 
@@ -221,8 +221,10 @@ class Sharder:
             elif isinstance(style, Rowwise):
                 new = RowParallelLinear.from_native_module(module, group, input_is_parallel=not style.split_input)
             elif isinstance(style, GradAllReduce):
-                for p in module.parameters():  # summed before accumulation, so per-microbatch sums add up
-                    p.register_hook(functools.partial(reduce_from_tp, group=group))
+                sum_grads_over_tp(module, group)
+                continue
+            elif isinstance(style, KVHeads):
+                keep_own_head(module, style.num_heads, group)
                 continue
             elif isinstance(style, VocabEmbedding) and type(module).forward is not nn.Embedding.forward:
                 shard_embedding_in_place(module, group, multiple)  # its own forward (e.g. scaled) on local ids
@@ -277,6 +279,11 @@ class Sharder:
                 if match(pattern, path[len(prefix):]):
                     for attr in attrs:
                         setattr(module, attr, getattr(module, attr) // tp)
+            for pattern, values in self.policy.tp_attribute_values.items():
+                if match(pattern, path[len(prefix):]):
+                    for attr, value in values.items():
+                        if hasattr(module, attr):
+                            setattr(module, attr, value)
 
     def _use_local_rng(self) -> None:
         tracker = self.shard_config.rng_tracker

@@ -28,6 +28,9 @@ for _family in FAMILIES:
         lambda n=4, f=_family: getattr(transformers, f"{f}ForCausalLM")(
             tiny_config(getattr(transformers, f"{f}Config"), num_hidden_layers=n, **OVERRIDES.get(f, {}))))
 KINDS = [f"{f.lower()}_lm" for f in FAMILIES]
+# 4 query heads, 2 key/value heads (with biases): tp=4 replicates each kv head on 2 ranks
+mu.MODELS["qwen2_gqa_lm"] = lambda n=4: transformers.Qwen2ForCausalLM(
+    tiny_config(transformers.Qwen2Config, num_hidden_layers=n))
 
 
 class Qwen3WithoutNormSum(Policy):
@@ -48,6 +51,7 @@ def _four_ranks(kinds):
         mu.check_training(kind, steps=1, tp_size=2)  # dp 2
         mu.check_training(kind, steps=1, pp_size=2, num_microbatches=2)  # dp 2
         mu.check_training(kind, tp_size=2, pp_size=2, num_microbatches=2)
+    mu.check_training("qwen2_gqa_lm", tp_size=4)
     build = mu.MODELS["qwen3_lm"]
     assert compare(build, 2, 2) == ("pass", "", compare(build, 2, 2).max_loss_error)
     verdict = compare(build, 2, 2, policy=Qwen3WithoutNormSum())

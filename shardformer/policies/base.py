@@ -49,7 +49,14 @@ class VocabHead:
     gather_output: bool = False
 
 
-ParallelStyle = Colwise | Rowwise | GradAllReduce | VocabEmbedding | VocabHead
+@dataclass(frozen=True)
+class KVHeads:
+    """A key/value projection with fewer heads than tp ranks: kept whole on every rank, each rank uses the head of
+    its query heads; gradients of the replicas are summed."""
+    num_heads: int
+
+
+ParallelStyle = Colwise | Rowwise | GradAllReduce | KVHeads | VocabEmbedding | VocabHead
 
 
 class Policy:
@@ -61,6 +68,7 @@ class Policy:
     tp_plan: Dict[str, ParallelStyle] = {}          # base-relative pattern -> style
     head_tp_plan: Dict[str, ParallelStyle] = {}     # model-relative pattern (outside the base) -> style
     tp_attributes: Dict[str, Sequence[str]] = {}    # base-relative pattern -> attributes divided by tp_size
+    tp_attribute_values: Dict[str, Dict[str, object]] = {}  # base-relative pattern -> attributes set (if present)
     tp_divisible: Sequence[str] = ()                # config attributes that must be divisible by tp_size
     tp_input_regions: Sequence[str] = ()           # base-relative modules whose input all column layers share
     local_rng_modules: Sequence[str] = ()           # base-relative patterns whose dropout acts on split heads

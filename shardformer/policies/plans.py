@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from .base import IDENTITY, INPUT, Colwise, GradAllReduce, Policy, Rowwise, VocabEmbedding, VocabHead, match
+from .base import IDENTITY, INPUT, Colwise, GradAllReduce, KVHeads, Policy, Rowwise, VocabEmbedding, VocabHead, match
 
 # transformers' style names (5.x, plus the 4.x spellings) -> our style; None: nothing to do (replicated)
 STYLES = {
@@ -124,6 +124,25 @@ class PlanPolicy(Policy):
                     is not None and not any(match(p, path) for p in self.tp_plan):
                 found[path] = GradAllReduce()
         return found
+
+    def check_tp(self, config, tp_size: int) -> None:
+        """As Policy.check_tp; with more tp ranks than key/value heads (a multiple of them), the key/value
+        projections are replicated instead (KVHeads) and each attention repeats its kv head for fewer query heads."""
+        kv, heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
+        if "num_key_value_heads" in self.tp_divisible and kv and heads and tp_size > kv and tp_size % kv == 0:
+            self.tp_divisible = tuple(a for a in self.tp_divisible if a != "num_key_value_heads")
+            super().check_tp(config, tp_size)
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            base = self.model.base_model
+            for pattern, style in list(self.tp_plan.items()):
+                kv_modules = [m for _, m in _matching(base, (pattern,)) if isinstance(m, nn.Linear)
+                              and m.out_features == kv * head_dim] if isinstance(style, Colwise) else []
+                if kv_modules and not style.gather_output:
+                    self.tp_plan[pattern] = KVHeads(kv)
+                    self.tp_attribute_values = {**self.tp_attribute_values,
+                                                pattern.rpartition(".")[0]: {"num_key_value_groups": heads // tp_size}}
+            return
+        super().check_tp(config, tp_size)
 
     def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
         # the models' loops pick a layer's mask (and rotary) by its position in the loop over the held layers

@@ -3,7 +3,10 @@ config declares `base_model_tp_plan` or `base_model_pp_plan` is built from a tin
 trained one step with (tp, pp) = (2, 2) on 4 CPU processes against the unsharded model (loss, every gradient,
 parameters after AdamW). Writes docs/coverage.md.
 
-    python benchmarks/coverage.py [--only qwen3,gemma] [--out docs/coverage.md]
+    python benchmarks/coverage.py [--only qwen3,gemma] [--out docs/coverage.md] [--log results.jsonl]
+
+With --log, results are appended to that file and families it already holds a result for are not run again
+(resume; delete a family's lines to run it again).
 
 One process group runs the families in turn; when a family crashes a rank or hangs (gloo timeout), the group is
 restarted after it.
@@ -73,13 +76,13 @@ def _run_families(todo: List[Family], path: str) -> None:
             _append(path, {"model_type": family.model_type, "started": True})
         start = time.time()
         if family.model_class == "-":
-            verdict = ("refused", "no model class for this config in transformers' auto mappings")
+            verdict = ("untested", "no model class for this config in transformers' auto mappings")
         else:
             cls = getattr(transformers, family.model_class)
             try:
                 config = tiny_config(cls.config_class)
             except Exception as error:  # noqa: BLE001  (same on every rank, before any collective)
-                verdict = ("refused", f"no tiny config: {type(error).__name__}: {str(error).splitlines()[0]}")
+                verdict = ("untested", f"no tiny config: {type(error).__name__}: {str(error).splitlines()[0]}")
             else:
                 verdict = tuple(compare(lambda: cls(config), 2, 2))[:2]
         if dist.get_rank() == 0:
@@ -105,10 +108,11 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated model types")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "coverage.md"))
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait")
+    parser.add_argument("--log", help="results file (JSON lines) to resume from and append to")
     args = parser.parse_args()
     todo = families([t for t in args.only.split(",") if t])
-    log = os.path.join(tempfile.mkdtemp(), "coverage.jsonl")
-    results: Dict[str, Dict] = {}
+    log = args.log or os.path.join(tempfile.mkdtemp(), "coverage.jsonl")
+    results = {k: v for k, v in _finished(log).items() if k in {f.model_type for f in todo}}
     start = time.time()
     while len(results) < len(todo):
         left = [f for f in todo if f.model_type not in results]
@@ -125,36 +129,44 @@ def main() -> None:
 
 
 def write_table(todo: List[Family], results: Dict[str, Dict], out: str, seconds: float) -> None:
+    def result(f: Family) -> str:  # logs of older runs called the harness's own failures "refused"
+        r = results[f.model_type]
+        detail = str(r.get("detail", ""))
+        return "untested" if detail.startswith(("no tiny config", "no model class")) else r["result"]
+
     dense = [f for f in todo if f.kind == "dense decoder"]
-    passed = [f for f in dense if results[f.model_type]["result"] == "pass"]
+    passed = [f for f in dense if result(f) == "pass"]
+    built = [f for f in dense if result(f) != "untested"]
     lines = [
         "# Coverage of plan-derived policies",
         "",
         "Every model family of the installed transformers whose config declares `base_model_tp_plan` or "
-        "`base_model_pp_plan`, built from a tiny config (hidden 32, 4 layers, 4 heads, 2 kv heads, vocab 100, "
-        "random weights) and trained one step with (tp, pp) = (2, 2) on 4 CPU processes against the unsharded "
-        "model: loss, every gradient and every parameter after AdamW at 1e-5.",
+        "`base_model_pp_plan`, built from a tiny config (hidden 32, 4 layers, 4 heads, 2 kv heads, head_dim 8, "
+        "vocab 100, sliding window 4, random weights) and trained one step with (tp, pp) = (2, 2) on 4 CPU "
+        "processes against the unsharded model: loss, every gradient and every parameter after AdamW at 1e-5.",
         "",
-        f"Produced by `python benchmarks/coverage.py` ({seconds / 60:.0f} min on this machine).",
+        "- pass: equal to the unsharded model; refused: a clear error before any collective (the reason); "
+        "fail: a mismatch (the first one, by parameter order) or an error while training; untested: this script "
+        "could not build a tiny model of the family (its config rejects the small sizes, or no auto class).",
+        f"- Produced by `python benchmarks/coverage.py` ({seconds / 60:.0f} min on this 2-core machine).",
         "",
-        f"**Dense text decoders: {len(passed)} of {len(dense)} pass ({100 * len(passed) / max(len(dense), 1):.0f}%).**",
+        f"**Dense text decoders: {len(passed)} of {len(dense)} pass ({100 * len(passed) / max(len(dense), 1):.0f}%); "
+        f"{len(passed)} of the {len(built)} this script could build ({100 * len(passed) / max(len(built), 1):.0f}%).**",
         "",
     ]
     for kind in ("dense decoder", "MoE", "other"):
         rows = [f for f in todo if f.kind == kind]
-        counts = {r: sum(results[f.model_type]["result"] == r for f in rows) for r in ("pass", "refused", "fail")}
-        lines += [f"## {kind} ({len(rows)}: {counts['pass']} pass, {counts['refused']} refused, "
-                  f"{counts['fail']} fail)", "", "| family | model class | result | reason / first mismatch |",
-                  "|---|---|---|---|"]
+        counts = {r: sum(result(f) == r for f in rows) for r in ("pass", "refused", "fail", "untested")}
+        lines += [f"## {kind} ({len(rows)}: " + ", ".join(f"{n} {r}" for r, n in counts.items()) + ")", "",
+                  "| family | model class | result | reason / first mismatch |", "|---|---|---|---|"]
         for f in rows:
-            r = results[f.model_type]
-            detail = str(r.get("detail", "")).replace("|", "\\|").replace("\n", " ")[:240]
-            lines.append(f"| {f.model_type} | {f.model_class} | {r['result']} | {detail} |")
+            detail = str(results[f.model_type].get("detail", "")).replace("|", "\\|").replace("\n", " ")[:240]
+            lines.append(f"| {f.model_type} | {f.model_class} | {result(f)} | {detail} |")
         lines.append("")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         f.write("\n".join(lines))
-    print(f"wrote {out}: dense decoders {len(passed)}/{len(dense)} pass")
+    print(f"wrote {out}: dense decoders {len(passed)}/{len(dense)} pass ({len(built)} built)")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ SEQ, MICROBATCH = 8, 2
 
 
 class Verdict(NamedTuple):
-    result: str                       # "pass", "refused" or "fail"
+    result: str                       # "pass", "refused", "fail", or "untested" (the unsharded model fails)
     detail: str = ""                  # the refusal's reason, or the first mismatch
     max_loss_error: Optional[float] = None
 
@@ -50,22 +50,25 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     world = dist.get_world_size()
     dp = world // (tp * pp)
+    local_size = MICROBATCH * max(pp, 2)
+    data = batch(local_size * dp, seed=1)
+    reference.train()
+    try:  # the unsharded step first: a model that fails on its own fails on every rank, before any collective
+        ref_losses = []
+        for r in range(dp):  # the step's loss: mean over microbatches and replicas
+            for m in range(0, local_size, MICROBATCH):
+                mb = {k: v[r * local_size + m:r * local_size + m + MICROBATCH] for k, v in data.items()}
+                ref_losses.append(criterion(reference(**mb), mb))
+        torch.stack(ref_losses).mean().backward()
+    except Exception as error:  # noqa: BLE001
+        return Verdict("untested", f"the unsharded model fails: {type(error).__name__}: {str(error).splitlines()[0]}")
     plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=max(pp, 2), custom_policy=policy)
     try:
         model, opt, *_ = Booster(plugin=plugin).boost(model, opt, criterion)
     except (NotImplementedError, ValueError) as refused:  # raised on every rank before any collective
         return Verdict("refused", str(refused).splitlines()[0].split(" Supported models:")[0])
-    reference.train()
     model.train()
-    local_size = MICROBATCH * max(pp, 2)
-    data = batch(local_size * dp, seed=1)
     local = {k: v[plugin.dp_rank * local_size:(plugin.dp_rank + 1) * local_size] for k, v in data.items()}
-    ref_losses = []
-    for r in range(dp):  # the step's loss: mean over microbatches and replicas
-        for m in range(0, local_size, MICROBATCH):
-            mb = {k: v[r * local_size + m:r * local_size + m + MICROBATCH] for k, v in data.items()}
-            ref_losses.append(criterion(reference(**mb), mb))
-    torch.stack(ref_losses).mean().backward()
     ref_loss = torch.stack(ref_losses[plugin.dp_rank * (len(ref_losses) // dp):
                                       (plugin.dp_rank + 1) * (len(ref_losses) // dp)]).mean()
     ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False)

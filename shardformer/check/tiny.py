@@ -20,14 +20,13 @@ def tiny_config(config_class, **overrides):
     for key, value in vars(defaults).items():
         if isinstance(value, float) and not isinstance(value, bool) and ("dropout" in key or key.endswith("pdrop")):
             kwargs[key] = 0.0
-    if "layer_types" in vars(defaults):  # let the constructor derive them for the new layer count
-        kwargs["layer_types"] = None
+    types = getattr(defaults, "layer_types", None)
+    if isinstance(types, (list, tuple)) and types:  # the family's kinds, alternating over the new layer count
+        kinds = list(dict.fromkeys(types))
+        n = overrides.get("num_hidden_layers", kwargs.get("num_hidden_layers", len(types)))
+        kwargs["layer_types"] = [kinds[i % len(kinds)] for i in range(n)]
     kwargs.update(overrides)
-    config = config_class(**kwargs)
-    if getattr(config, "layer_types", None) is None and "layer_types" in vars(defaults):
-        del kwargs["layer_types"]  # this family wants them given: rebuild with its own default pattern
-        config = config_class(**kwargs)
-    return config
+    return config_class(**kwargs)
 
 
 def model_class(name: str):

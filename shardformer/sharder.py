@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layer.spec import get_tp_spec
-from .policies.base import Colwise, GradAllReduce, KVHeads, Policy, Rowwise, VocabEmbedding, VocabHead, match
+from .layer.spec import TPSpec, get_tp_spec, shard_parameter
+from .policies.base import (Colwise, GradAllReduce, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding, VocabHead,
+                            match)
 from .stage import (Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
                     stand_in_for)
 
@@ -243,6 +244,12 @@ class Sharder:
             else:
                 raise TypeError(f"Unknown parallel style {style!r} for {path}.")
             replace_submodule(self.model, path, new)
+        for name, p in list(self.model.named_parameters()):  # raw parameters split along heads (e.g. sinks)
+            style = self._style_of(name)
+            if isinstance(style, SplitParam):
+                parent, attr = get_submodule_parent(self.model, name)
+                spec = TPSpec(style.dim % p.dim())
+                setattr(parent, attr, shard_parameter(p, spec, dist.get_rank(group), tp))
 
     def _retie(self, tied: List[List[str]]) -> None:
         """Parameters that were one before replacement (tied embeddings, MLM bias) become one again."""

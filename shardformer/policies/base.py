@@ -56,7 +56,13 @@ class KVHeads:
     num_heads: int
 
 
-ParallelStyle = Colwise | Rowwise | GradAllReduce | KVHeads | VocabEmbedding | VocabHead
+@dataclass(frozen=True)
+class SplitParam:
+    """A raw parameter (e.g. per-head attention sinks) split along `dim` over tp ranks."""
+    dim: int = 0
+
+
+ParallelStyle = Colwise | Rowwise | GradAllReduce | KVHeads | SplitParam | VocabEmbedding | VocabHead
 
 
 class Policy:

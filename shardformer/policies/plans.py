@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from .base import IDENTITY, INPUT, Colwise, GradAllReduce, KVHeads, Policy, Rowwise, VocabEmbedding, VocabHead, match
+from .base import (IDENTITY, INPUT, Colwise, GradAllReduce, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
+                   VocabHead, match)
 
 # transformers' style names (5.x, plus the 4.x spellings) -> our style; None: nothing to do (replicated)
 STYLES = {
@@ -32,13 +33,13 @@ STYLES = {
     "embedding_rowwise": VocabEmbedding(),
     "replicated_with_grad_allreduce": GradAllReduce(),
     "replicate": None,
+    "local_params": None,  # the module's parameters are plain local tensors: ours always are
 }
 # known styles we refuse, with the reason
 REFUSED = {
     "moe_tp_experts": "mixture-of-experts layers are not supported yet",
     "moe_identity_expert": "mixture-of-experts layers are not supported yet",
     "mla_kv_a_proj": "multi-head latent attention (MLA) is not supported yet",
-    "local_params": "raw parameters sharded inside a module (e.g. attention sinks) are not supported yet",
     "packed_rowwise": "packed row-wise layers are not supported yet",
     "all_reduce": "an all-reduce after a module (shared experts) is not supported yet",
     "embedding_colwise": "column-split embeddings are not supported yet",
@@ -82,6 +83,7 @@ class PlanPolicy(Policy):
         self.tp_plan = {p: s for p, s in ((p, style_of(n, p, False)) for p, n in base_plan.items()) if s is not None}
         self.head_tp_plan = {p: s for p, s in ((p, style_of(n, p, True)) for p, n in head_plan.items())
                              if s is not None}
+        self._split_raw_parameters(model.base_model)
         self._check_modules(model, prefix)
         columns = [p for p, s in self.tp_plan.items() if isinstance(s, Colwise)]
         self.tp_input_regions = tuple(sorted({p.rpartition(".")[0] for p in columns if "." in p}))
@@ -102,12 +104,24 @@ class PlanPolicy(Policy):
         entry = {n: INPUT if isinstance(_get(base, n), nn.Embedding) else IDENTITY for n in names[:i]}
         return names[i], entry, tuple(names[i + 1:])
 
+    def _split_raw_parameters(self, base: nn.Module) -> None:
+        """Plan entries naming a parameter, not a module (e.g. per-head `sinks`): split along heads."""
+        names = [n for n, _ in base.named_parameters()]
+        for pattern, style in list(self.tp_plan.items()):
+            if not any(match(pattern, n) for n in names):
+                continue
+            if not isinstance(style, (Colwise, Rowwise)) or getattr(style, "n_fused", 1) != 1:
+                raise PlanRefused(f"tp plan of parameter '{pattern}' uses {style}, which raw parameters cannot take.")
+            self.tp_plan[pattern] = SplitParam(0 if isinstance(style, Colwise) else -1)
+
     def _check_modules(self, model: nn.Module, prefix: str) -> None:
         """Every plan entry must name modules of the kind its style shards (checked before any collective)."""
         for plan, root in ((self.tp_plan, prefix), (self.head_tp_plan, "")):
             for pattern, style in plan.items():
                 for path, module in model.named_modules():
                     if not path.startswith(root) or not match(pattern, path[len(root):]):
+                        continue
+                    if isinstance(style, SplitParam):
                         continue
                     need = _NEEDS.get(type(style), nn.Linear if isinstance(style, VocabHead) else nn.Module)
                     if not isinstance(module, need):

@@ -21,11 +21,24 @@ import torch
 from torch import nn
 
 from .policies.base import Policy
-from .stage import (INPUT, Released, StageInput, _StageExit, get_submodule_parent, held_layer_list,
+from .stage import (INPUT, Released, ZeroEmbedding, _StageExit, _hidden_size, get_submodule_parent, held_layer_list,
                     replace_submodule, stand_in_for)
 
 
 SKIP_FIRST = "skip_first"  # entry kind: the module's first call in a forward returns its input
+
+
+class StageInput(ZeroEmbedding):
+    """Stands in for a stack's embedding on a stage that starts inside it: its first call returns the received
+    hidden states (a second lookup returns zeros: its contribution came with the hidden states)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__(hidden_size, dtype)
+        self.value: Optional[torch.Tensor] = None
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        value, self.value = self.value, None
+        return super().forward(*args, **kwargs) if value is None else value
 
 
 class SkipFirstCall(nn.Module):
@@ -128,6 +141,7 @@ class EncoderDecoderPolicy(Policy):
             if held and lo > 0:  # starts inside this stack: stand-ins for its entry, carried values into layer lo
                 for path, kind in entry.items():
                     stand_in = self._replace(base, path, lambda m, kind=kind: SkipFirstCall(m) if kind == SKIP_FIRST
+                                             else StageInput(*_hidden_size(m)) if kind == INPUT
                                              else stand_in_for(kind, m))
                     if isinstance(stand_in, StageInput) and kind == INPUT:
                         stage_input = stand_in

@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layer.spec import get_tp_spec
-from .policies.base import Colwise, HeadEmbedding, Policy, Rowwise, VocabEmbedding, VocabHead, match
-from .stage import (Released, StageForward, StageInput, get_submodule_parent, held_layer_list, replace_submodule,
+from .layer.spec import TPSpec, get_tp_spec, shard_parameter
+from .policies.base import (Colwise, GradAllReduce, HeadEmbedding, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
+                            VocabHead, match)
+from .stage import (Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
                     stand_in_for)
 
 
@@ -158,16 +159,12 @@ class Sharder:
         base = model.base_model
         start, end = sm.get_stage_index(policy.layers_per_stage())
         layers = policy.layer_list()
-        stage_input = None
         if not sm.is_first_stage():
             for path, kind in policy.entry.items():
                 parent, name = get_submodule_parent(base, path)
                 if getattr(parent, name, None) is None:  # optional module this model does not have
                     continue
-                stand_in = stand_in_for(kind, base.get_submodule(path))
-                replace_submodule(base, path, stand_in)
-                if isinstance(stand_in, StageInput):
-                    stage_input = stand_in
+                replace_submodule(base, path, stand_in_for(kind, base.get_submodule(path)))
         if not sm.is_last_stage():
             for path in policy.exit:
                 if getattr(*get_submodule_parent(base, path)) is not None:
@@ -175,6 +172,7 @@ class Sharder:
             for name in policy.head_modules():
                 setattr(model, name, Released(name))
         exit_layer = layers[end - 1] if not sm.is_last_stage() else None
+        entry_layer = layers[start] if not sm.is_first_stage() else None
         replace_submodule(model, prefix + policy.layers, held_layer_list(layers, start, end))
         overrides = policy.stage_config_overrides(start, end)
         if overrides:  # a stage-local config view for the base model's loop; the model's own config is untouched
@@ -182,7 +180,7 @@ class Sharder:
             for key, value in overrides.items():
                 setattr(base.config, key, value)
         if not (sm.is_first_stage() and sm.is_last_stage()):
-            self.stage_forward = StageForward(model, stage_input, exit_layer)
+            self.stage_forward = StageForward(model, entry_layer, exit_layer)
 
     # -- tensor parallel ---------------------------------------------------------------------------------
     def _tied_names(self) -> List[List[str]]:
@@ -206,6 +204,8 @@ class Sharder:
         from .layer import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_size,
                             vocab_parallel_lm_head)
         from .layer.head_embedding import HeadParallelEmbedding
+        from .layer.replicated import keep_own_head, sum_grads_over_tp
+        from .layer.vocab_split import shard_embedding_in_place
         from .layer.loss import parallel_causal_lm_loss
 
         cfg, group = self.shard_config, self.shard_config.tensor_parallel_process_group
@@ -213,13 +213,22 @@ class Sharder:
         multiple = cfg.make_vocab_size_divisible_by
         for path, module in list(self.model.named_modules()):
             style = self._style_of(path)
-            if style is None or isinstance(module, (Released, StageInput)) or not list(module.parameters()):
+            if style is None or isinstance(module, Released) or not list(module.parameters()):
                 continue
             if isinstance(style, Colwise):
                 new = ColumnParallelLinear.from_native_module(module, group, gather_output=style.gather_output,
                                                               n_fused=style.n_fused)
             elif isinstance(style, Rowwise):
-                new = RowParallelLinear.from_native_module(module, group)
+                new = RowParallelLinear.from_native_module(module, group, input_is_parallel=not style.split_input)
+            elif isinstance(style, GradAllReduce):
+                sum_grads_over_tp(module, group)
+                continue
+            elif isinstance(style, KVHeads):
+                keep_own_head(module, style.num_heads, group)
+                continue
+            elif isinstance(style, VocabEmbedding) and type(module).forward is not nn.Embedding.forward:
+                shard_embedding_in_place(module, group, multiple)  # its own forward (e.g. scaled) on local ids
+                continue
             elif isinstance(style, VocabEmbedding):
                 new = VocabParallelEmbedding.from_native_module(module, group, make_vocab_size_divisible_by=multiple)
             elif isinstance(style, VocabHead):
@@ -236,6 +245,12 @@ class Sharder:
             else:
                 raise TypeError(f"Unknown parallel style {style!r} for {path}.")
             replace_submodule(self.model, path, new)
+        for name, p in list(self.model.named_parameters()):  # raw parameters split along heads (e.g. sinks)
+            style = self._style_of(name)
+            if isinstance(style, SplitParam):
+                parent, attr = get_submodule_parent(self.model, name)
+                spec = TPSpec(style.dim % p.dim())
+                setattr(parent, attr, shard_parameter(p, spec, dist.get_rank(group), tp))
 
     def _retie(self, tied: List[List[str]]) -> None:
         """Parameters that were one before replacement (tied embeddings, MLM bias) become one again."""
@@ -249,26 +264,19 @@ class Sharder:
                     setattr(parent, attr, source)
 
     def _enter_tp_regions_once(self) -> None:
-        """One copy_to_tp at the input of a region (e.g. attention) instead of one per column layer inside it."""
+        """One copy_to_tp at the input of a region (e.g. attention) instead of one per column layer inside it; a
+        column layer whose input is not exactly the region's copied input still copies its own."""
         from .layer import ColumnParallelLinear, copy_to_tp
 
         group, prefix = self.shard_config.tensor_parallel_process_group, self.policy.base_prefix
-
-        def enter(module, args, kwargs):
-            if args:
-                return (copy_to_tp(args[0], group), *args[1:]), kwargs
-            key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
-            return args, {**kwargs, key: copy_to_tp(kwargs[key], group)}
-
         for path, region in self.model.named_modules():
             rel = path[len(prefix):] if path.startswith(prefix) else None
             if rel is None or not any(match(p, rel) for p in self.policy.tp_input_regions):
                 continue
             columns = [m for m in region.modules() if isinstance(m, ColumnParallelLinear)]
             if columns:
-                region.register_forward_pre_hook(enter, with_kwargs=True)
-                for column in columns:
-                    column.input_is_copied = True
+                region.register_forward_pre_hook(_RegionEntry(columns, group, copy_to_tp), with_kwargs=True)
+                region.register_forward_hook(_RegionExit(columns))
 
     def _change_attributes(self) -> None:
         tp, prefix = self.shard_config.tp_size, self.policy.base_prefix
@@ -279,6 +287,11 @@ class Sharder:
                 if match(pattern, path[len(prefix):]):
                     for attr in attrs:
                         setattr(module, attr, getattr(module, attr) // tp)
+            for pattern, values in self.policy.tp_attribute_values.items():
+                if match(pattern, path[len(prefix):]):
+                    for attr, value in values.items():
+                        if hasattr(module, attr):
+                            setattr(module, attr, value)
 
     def _use_local_rng(self) -> None:
         tracker = self.shard_config.rng_tracker
@@ -295,6 +308,36 @@ class Sharder:
                 wrap_module_forward_in_local_rng(module, tracker)
             elif any(match(p, rel) for p in self.policy.shared_rng_modules):
                 wrap_module_forward_in_shared_rng(module, tracker)
+
+
+class _RegionEntry:
+    """Forward pre-hook: copy the region's input to the tp region once and tell its column layers."""
+
+    def __init__(self, columns, group, copy_to_tp) -> None:
+        self.columns, self.group, self.copy_to_tp = columns, group, copy_to_tp
+
+    def __call__(self, module, args, kwargs):
+        if args:
+            copied = self.copy_to_tp(args[0], self.group)
+            args = (copied, *args[1:])
+        else:
+            key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+            copied = self.copy_to_tp(kwargs[key], self.group)
+            kwargs = {**kwargs, key: copied}
+        for column in self.columns:
+            column.copied_input = copied
+        return args, kwargs
+
+
+class _RegionExit:
+    """Forward hook: forget the region's copied input (no reference kept past the region's forward)."""
+
+    def __init__(self, columns) -> None:
+        self.columns = columns
+
+    def __call__(self, module, args, output):
+        for column in self.columns:
+            column.copied_input = None
 
 
 class _ParallelCausalLMLoss:

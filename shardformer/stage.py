@@ -3,9 +3,11 @@
 Nothing of transformers' forward code is copied: a stage keeps the model and its own `forward`, and changes only
 which submodules exist.
 - Layers it does not hold are dropped from the layer list (held layers keep their HF index and name).
-- On a non-first stage the embedding is a stand-in that returns the received hidden states (other entry modules,
+- On a non-first stage the embedding is a stand-in that returns zeros shaped like its output (other entry modules,
   e.g. GPT-2's position embedding, become zeros or identities), so masks and rotary embeddings are still built by
-  the model itself from the real `input_ids` / `attention_mask`.
+  the model itself from the real `input_ids` / `attention_mask`; the received hidden states replace the input of
+  the stage's first layer (so whatever the model does between embedding and layers, e.g. scaling the embeddings,
+  is not applied twice).
 - On a non-last stage a forward hook on its last layer ends the forward with that layer's output; the final norm
   and head are released.
 """
@@ -36,7 +38,8 @@ def _zeros_like_lookup(args, kwargs, hidden_size: int, dtype: torch.dtype) -> to
 
 
 class ZeroEmbedding(nn.Module):
-    """Stands in for an additive entry module (e.g. position embeddings) whose output the previous stage added."""
+    """Stands in for an entry embedding on a non-first stage: zeros shaped like its lookup (masks and positions are
+    still built from them; the received hidden states replace the first layer's input)."""
 
     def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -46,20 +49,6 @@ class ZeroEmbedding(nn.Module):
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return _zeros_like_lookup(args, kwargs, self.hidden_size, self.dtype_ref.dtype)
-
-
-class StageInput(ZeroEmbedding):
-    """Stands in for the embedding on a non-first stage: its first call returns the received hidden states."""
-
-    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
-        super().__init__(hidden_size, dtype)
-        self.value: Optional[torch.Tensor] = None
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        value, self.value = self.value, None
-        if value is None:  # a second lookup (e.g. GPT-2 token types): its contribution came with the hidden states
-            return super().forward(*args, **kwargs)
-        return value
 
 
 class Released(nn.Module):
@@ -104,14 +93,25 @@ class _StageExit(Exception):
 class StageForward:
     """Calls the (stage-pruned) model: feeds received hidden states, stops after the stage's last layer."""
 
-    def __init__(self, model: nn.Module, stage_input: Optional[StageInput], exit_layer: Optional[nn.Module]) -> None:
+    def __init__(self, model: nn.Module, entry_layer: Optional[nn.Module], exit_layer: Optional[nn.Module]) -> None:
         self.model = model
-        self.stage_input = stage_input
+        self.takes_input = entry_layer is not None
+        self._value: Optional[torch.Tensor] = None
         self._armed = False
         params = inspect.signature(model.forward).parameters
         self._extra = {"use_cache": False} if "use_cache" in params else {}
         if exit_layer is not None:
             exit_layer.register_forward_hook(self._exit_hook)
+        if entry_layer is not None:
+            entry_layer.register_forward_pre_hook(self._entry_hook, with_kwargs=True)
+
+    def _entry_hook(self, module, args, kwargs):
+        value, self._value = self._value, None
+        if value is None:  # not a stage call (or a recomputation): leave the arguments alone
+            return None
+        if args:
+            return (value, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": value}
 
     def _exit_hook(self, module, args, output):
         if self._armed:  # disarmed during activation recomputation, which re-runs the layer in backward
@@ -119,10 +119,10 @@ class StageForward:
             raise _StageExit(output[0] if isinstance(output, (tuple, list)) else output)
 
     def __call__(self, hidden_states: Optional[torch.Tensor] = None, **kwargs) -> Any:
-        if self.stage_input is not None:
+        if self.takes_input:
             if hidden_states is None:
                 raise ValueError("This pipeline stage needs the previous stage's `hidden_states`.")
-            self.stage_input.value = hidden_states
+            self._value = hidden_states
         self._armed = True
         try:
             return self.model(**kwargs, **self._extra)
@@ -130,8 +130,7 @@ class StageForward:
             return {"hidden_states": done.output}
         finally:
             self._armed = False
-            if self.stage_input is not None:
-                self.stage_input.value = None
+            self._value = None
 
 
 def get_submodule_parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -148,4 +147,4 @@ def stand_in_for(kind: str, original: nn.Module) -> nn.Module:
     if kind == IDENTITY:
         return nn.Identity()
     hidden, dtype = _hidden_size(original)
-    return StageInput(hidden, dtype) if kind == INPUT else ZeroEmbedding(hidden, dtype)
+    return ZeroEmbedding(hidden, dtype)  # INPUT and ZEROS: the received hidden states enter at the first layer

@@ -128,9 +128,11 @@ def test_tensor_parallel_eight_ranks():
 def test_config_check_names_the_number_and_valid_sizes():
     policy = get_autopolicy(mu.build("llama_lm"))
     config = mu.llama_config()
+    with pytest.raises(ValueError, match=r"tp_size=6 does not divide num_attention_heads=8, num_key_value_heads=4.*"
+                                         r"valid tp sizes.*\[1, 2, 4\]"):
+        policy.check_tp(config, 6)  # neither 6 nor the 4 kv heads divides the other
     config.num_key_value_heads = 2
-    with pytest.raises(ValueError, match=r"tp_size=4 does not divide num_key_value_heads=2.*valid tp sizes.*\[1, 2\]"):
-        policy.check_tp(config, 4)
+    policy.check_tp(config, 4)  # more ranks than kv heads: each kv head is replicated on 2 ranks
     with pytest.raises(ValueError, match=r"tp_size=3 does not divide n_head=4"):
         get_autopolicy(mu.build("gpt2_lm")).check_tp(mu.gpt2_config(), 3)
     policy.check_tp(mu.llama_config(), 4)  # 8 heads, 4 kv heads, 64 intermediate: fine

@@ -6,8 +6,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .comm import get_tp_rank, get_tp_world_size, reduce_from_tp
+from .comm import get_tp_rank, get_tp_world_size
 from .linear import ColumnParallelLinear
+from .vocab_split import combine_lookup, local_ids
 from .spec import UnshardedStateDict, TPSpec, get_tp_spec, padded_size, set_tp_spec, shard_parameter
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_lm_head"]
@@ -87,11 +88,8 @@ class VocabParallelEmbedding(UnshardedStateDict, nn.Module):
             bad = ids[(ids < 0) | (ids >= self.num_embeddings)][0]
             raise IndexError(f"Token id {int(bad)} is outside the vocabulary [0, {self.num_embeddings}) of the "
                              f"embedding: check the tokenizer against the model's vocab_size.")
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight, self.local_padding_idx)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.tp_group)
+        split = local_ids(ids, self.vocab_start, self.vocab_end)
+        return combine_lookup(F.embedding(split.ids, self.weight, self.local_padding_idx), split.outside, self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (padded {self.padded_num_embeddings}), {self.embedding_dim}, "

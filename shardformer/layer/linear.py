@@ -79,9 +79,10 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         self.gather_output_in_eval = False
         self.is_conv1d = is_conv1d
         self.n_fused = n_fused
-        # True when the enclosing module already entered the TP region (copy_to_tp of the shared input), so
-        # sibling projections (q, k, v; gate, up) all-reduce their summed input gradient once, not once each
-        self.input_is_copied = False
+        # the enclosing module's input after its one copy_to_tp (set by the sharder's region hooks while the module
+        # runs): sibling projections (q, k, v; gate, up) that read exactly it all-reduce their summed input gradient
+        # once, not once each; any other input is copied here
+        self.copied_input: Tensor | None = None
 
         shape = (in_features, self.out_features) if is_conv1d else (self.out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -130,7 +131,7 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.input_is_copied:
+        if x is not self.copied_input:
             x = copy_to_tp(x, self.tp_group)
         weight = self.weight.t() if self.is_conv1d else self.weight
         out = F.linear(x, weight, self.bias)

@@ -27,7 +27,15 @@ class Colwise:
 
 @dataclass(frozen=True)
 class Rowwise:
-    """Input features split over tp ranks; the output is all-reduced and the bias added once."""
+    """Input features split over tp ranks; the output is all-reduced and the bias added once. With `split_input`
+    the layer receives the full (replicated) input and keeps its own chunk."""
+    split_input: bool = False
+
+
+@dataclass(frozen=True)
+class GradAllReduce:
+    """Replicated parameters that see only this rank's part of a split activation (e.g. a per-head q/k norm after
+    a column-parallel projection): their gradients are summed over the tp ranks."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,20 @@ class HeadEmbedding:
     """Embedding columns (e.g. T5's relative position bias, one per head) split over tp ranks; no communication."""
 
 
-ParallelStyle = Colwise | Rowwise | VocabEmbedding | VocabHead | HeadEmbedding
+@dataclass(frozen=True)
+class KVHeads:
+    """A key/value projection with fewer heads than tp ranks: kept whole on every rank, each rank uses the head of
+    its query heads; gradients of the replicas are summed."""
+    num_heads: int
+
+
+@dataclass(frozen=True)
+class SplitParam:
+    """A raw parameter (e.g. per-head attention sinks) split along `dim` over tp ranks."""
+    dim: int = 0
+
+
+ParallelStyle = Colwise | Rowwise | GradAllReduce | KVHeads | SplitParam | VocabEmbedding | VocabHead | HeadEmbedding
 
 
 class Policy:
@@ -58,6 +79,7 @@ class Policy:
     tp_plan: Dict[str, ParallelStyle] = {}          # base-relative pattern -> style
     head_tp_plan: Dict[str, ParallelStyle] = {}     # model-relative pattern (outside the base) -> style
     tp_attributes: Dict[str, Sequence[str]] = {}    # base-relative pattern -> attributes divided by tp_size
+    tp_attribute_values: Dict[str, Dict[str, object]] = {}  # base-relative pattern -> attributes set (if present)
     tp_divisible: Sequence[str] = ()                # config attributes that must be divisible by tp_size
     tp_input_regions: Sequence[str] = ()           # base-relative modules whose input all column layers share
     local_rng_modules: Sequence[str] = ()           # base-relative patterns whose dropout acts on split heads

@@ -1,0 +1,115 @@
+"""Compare a sharded model with the unsharded one on every rank of an initialized group: the loss of one training
+step, every gradient and every parameter after one AdamW step (fp32). Collective; the verdict is the same on every
+rank and names the first parameter (Hugging Face name, model order) that differs."""
+from __future__ import annotations
+
+import copy
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layer.spec import gather_tensor, get_tp_spec
+from .tiny import VOCAB
+
+SEQ, MICROBATCH = 8, 2
+
+
+class Verdict(NamedTuple):
+    result: str                       # "pass", "refused", "fail", or "untested" (the unsharded model fails)
+    detail: str = ""                  # the refusal's reason, or the first mismatch
+    max_loss_error: Optional[float] = None
+
+
+def batch(size: int, seed: int) -> dict:
+    """Token ids, a right-padded sample and causal-LM labels (padding ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (size, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0
+    ids[0, -3:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def criterion(outputs, micro_batch) -> torch.Tensor:
+    """The model's own loss where it computes one, else a function of the last hidden states."""
+    if getattr(outputs, "loss", None) is not None:
+        return outputs.loss
+    return outputs.last_hidden_state.float().sin().mean()
+
+
+def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: float = 1e-5) -> Verdict:
+    """One step of the sharded model (tp, pp, dp = world / (tp * pp)) against the unsharded one."""
+    from booster_plugin import Booster, HybridParallelPlugin
+
+    torch.manual_seed(0)
+    reference = build().float()
+    model = copy.deepcopy(reference)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    world = dist.get_world_size()
+    dp = world // (tp * pp)
+    local_size = MICROBATCH * max(pp, 2)
+    data = batch(local_size * dp, seed=1)
+    reference.train()
+    try:  # the unsharded step first: a model that fails on its own fails on every rank, before any collective
+        ref_losses = []
+        for r in range(dp):  # the step's loss: mean over microbatches and replicas
+            for m in range(0, local_size, MICROBATCH):
+                mb = {k: v[r * local_size + m:r * local_size + m + MICROBATCH] for k, v in data.items()}
+                ref_losses.append(criterion(reference(**mb), mb))
+        torch.stack(ref_losses).mean().backward()
+    except Exception as error:  # noqa: BLE001
+        return Verdict("untested", f"the unsharded model fails: {type(error).__name__}: {str(error).splitlines()[0]}")
+    plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=max(pp, 2), custom_policy=policy)
+    try:
+        model, opt, *_ = Booster(plugin=plugin).boost(model, opt, criterion)
+    except (NotImplementedError, ValueError) as refused:  # raised on every rank before any collective
+        return Verdict("refused", str(refused).splitlines()[0].split(" Supported models:")[0])
+    model.train()
+    local = {k: v[plugin.dp_rank * local_size:(plugin.dp_rank + 1) * local_size] for k, v in data.items()}
+    ref_loss = torch.stack(ref_losses[plugin.dp_rank * (len(ref_losses) // dp):
+                                      (plugin.dp_rank + 1) * (len(ref_losses) // dp)]).mean()
+    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False)
+                 if p.grad is not None}
+    loss = plugin.execute_pipeline(iter([local]), model, criterion, opt, return_loss=True)["loss"]
+    opt.step()
+    ref_opt.step()
+    group = plugin.tp_group if tp > 1 else None
+    order = {n: i for i, (n, _) in enumerate(reference.named_parameters(remove_duplicate=False))}
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    mismatches = []
+    got, want_loss = loss.detach().float().item(), ref_loss.detach().item()
+    loss_error = abs(got - want_loss)
+    if not loss_error <= tol * (1 + abs(want_loss)):
+        mismatches.append((-1, f"loss {got:.6g} != {want_loss:.6g}"))
+    for name, p in model.unwrap().named_parameters():
+        grad, want = p.grad, ref_grads.get(name)
+        if (grad is None) != (want is None):
+            mismatches.append((order[name], f"gradient of {name}: {'missing' if grad is None else 'unexpected'}"))
+        elif grad is not None and not _close(_full(p, grad, group), want, tol):
+            mismatches.append((order[name], f"gradient of {name} differs by {_error(_full(p, grad, group), want)}"))
+        if not _close(_full(p, p.data, group), ref_params[name].data, tol):
+            mismatches.append((order[name] + 0.5, f"parameter {name} after AdamW differs"))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, min(mismatches) if mismatches else None)
+    found = sorted(m for m in everyone if m is not None)
+    if found:
+        return Verdict("fail", found[0][1], loss_error)
+    return Verdict("pass", "", loss_error)
+
+
+def _full(param: torch.Tensor, tensor: torch.Tensor, group) -> torch.Tensor:
+    spec = get_tp_spec(param)
+    return tensor if spec is None or group is None else gather_tensor(tensor, spec, group)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> bool:
+    return actual.shape == expected.shape and torch.allclose(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def _error(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    if actual.shape != expected.shape:
+        return f"shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    return f"{float((actual.float() - expected.float()).abs().max()):.3g} (max abs)"

@@ -1,0 +1,35 @@
+"""Replicated parameters whose gradients are summed over the tp group, and key/value projections when tp is larger than the number of key/value heads (GQA): the projection stays whole
+on every rank (it is small) and each rank keeps the head its query heads attend to; the gradients of the replicas
+are summed over the tp group (each rank's gradient is non-zero only in the rows of its head), which is exact."""
+from __future__ import annotations
+
+import functools
+
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from .comm import get_tp_rank, get_tp_world_size, reduce_from_tp
+
+__all__ = ["sum_grads_over_tp", "keep_own_head"]
+
+
+def sum_grads_over_tp(module: nn.Module, group: ProcessGroup | None) -> None:
+    """Each use's gradient of the module's parameters is summed over the group before it is accumulated (so the
+    per-microbatch sums add up): for replicated parameters that see only this rank's part of a split activation."""
+    for p in module.parameters():
+        p.register_hook(functools.partial(reduce_from_tp, group=group))
+
+
+def _narrow(start: int, size: int, module: nn.Module, args, out: Tensor) -> Tensor:
+    return out.narrow(-1, start, size)
+
+
+def keep_own_head(module: nn.Module, num_heads: int, group: ProcessGroup | None) -> None:
+    """`module`'s output holds `num_heads` equal heads; rank r of the group keeps head r // (tp / num_heads)."""
+    world, rank = get_tp_world_size(group), get_tp_rank(group)
+    if world % num_heads:
+        raise ValueError(f"tp_size={world} is not a multiple of the {num_heads} key/value heads of {module}.")
+    out_features = module.weight.shape[0]
+    head_dim = out_features // num_heads
+    module.register_forward_hook(functools.partial(_narrow, rank // (world // num_heads) * head_dim, head_dim))
+    sum_grads_over_tp(module, group)

@@ -1,0 +1,190 @@
+"""A policy derived from what transformers declares about a model: no per-model code.
+
+- Pipeline: the model's `_pp_plan` (its config's `base_model_pp_plan` plus the head): the repeated module is the
+  layer list, modules before it are the entry (first stage), modules after it the exit (last stage); modules
+  outside the base model (LM head, classifier) belong to the last stage.
+- Tensor parallel: the model's `_tp_plan` (its config's `base_model_tp_plan`, the head, and the input embedding
+  transformers adds), each style name mapped onto our parallel layers (`STYLES`). A style we cannot honour
+  exactly is refused, naming the module and the style.
+- The rest comes from structure and config: tied weights are found by identity; a stage sees its own slice of
+  `config.layer_types` (the models pick each layer's mask by its position in their loop); attention heads must
+  split evenly.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from torch import nn
+
+from .base import (IDENTITY, INPUT, Colwise, GradAllReduce, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
+                   VocabHead, match)
+
+# transformers' style names (5.x, plus the 4.x spellings) -> our style; None: nothing to do (replicated)
+STYLES = {
+    "colwise": Colwise(),
+    "local_colwise": Colwise(),
+    "colwise_gather_output": Colwise(gather_output=True),
+    "colwise_rep": Colwise(gather_output=True),
+    "packed_colwise": Colwise(n_fused=2),
+    "rowwise": Rowwise(),
+    "local_rowwise": Rowwise(),
+    "rowwise_split_input": Rowwise(split_input=True),
+    "rowwise_rep": Rowwise(split_input=True),
+    "embedding_rowwise": VocabEmbedding(),
+    "replicated_with_grad_allreduce": GradAllReduce(),
+    "replicate": None,
+    "local_params": None,  # the module's parameters are plain local tensors: ours always are
+}
+# known styles we refuse, with the reason
+REFUSED = {
+    "moe_tp_experts": "mixture-of-experts layers are not supported yet",
+    "moe_identity_expert": "mixture-of-experts layers are not supported yet",
+    "mla_kv_a_proj": "multi-head latent attention (MLA) is not supported yet",
+    "packed_rowwise": "packed row-wise layers are not supported yet",
+    "all_reduce": "an all-reduce after a module (shared experts) is not supported yet",
+    "embedding_colwise": "column-split embeddings are not supported yet",
+}
+_NEEDS = {Colwise: nn.Linear, Rowwise: nn.Linear, VocabEmbedding: nn.Embedding}
+
+
+class PlanRefused(NotImplementedError):
+    """The model's plans cannot be honoured exactly; the message names the module and the reason."""
+
+
+def style_of(name, path: str, head: bool):
+    """Our style for a transformers style name (read defensively: case, spaces, unknown names)."""
+    key = name.strip().lower() if isinstance(name, str) else None
+    if key in REFUSED:
+        raise PlanRefused(f"tp plan of '{path}' uses style '{name}': {REFUSED[key]}.")
+    if key not in STYLES:
+        raise PlanRefused(f"tp plan of '{path}' uses style {name!r}, which this library does not know; known: "
+                          f"{', '.join(sorted(STYLES))}. Write a shardformer.Policy for this model "
+                          f"(custom_policy=...).")
+    style = STYLES[key]
+    if head and isinstance(style, Colwise) and style.n_fused == 1:
+        return VocabHead()  # the LM head: vocab-parallel (loss without gathering) or gathered, as the plugin says
+    return style
+
+
+class PlanPolicy(Policy):
+    """Policy built from the model's own `_pp_plan` / `_tp_plan` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        if not hasattr(model, "base_model") or not hasattr(model, "config"):
+            raise PlanRefused(f"{type(model).__name__} is not a transformers model, so it has no plans.")
+        self.set_model(model)
+        prefix = self.base_prefix
+        pp_plan = _relative(getattr(model, "_pp_plan", None) or {}, prefix)
+        if not pp_plan[0]:
+            raise PlanRefused(f"{type(model).__name__} declares no pipeline plan (config.base_model_pp_plan).")
+        self.layers, self.entry, self.exit = self._split_pipeline(model.base_model, list(pp_plan[0]))
+        base_plan, head_plan = _relative(getattr(model, "_tp_plan", None) or {}, prefix)
+        self.tp_plan = {p: s for p, s in ((p, style_of(n, p, False)) for p, n in base_plan.items()) if s is not None}
+        self.head_tp_plan = {p: s for p, s in ((p, style_of(n, p, True)) for p, n in head_plan.items())
+                             if s is not None}
+        self._split_raw_parameters(model.base_model)
+        self._check_modules(model, prefix)
+        columns = [p for p, s in self.tp_plan.items() if isinstance(s, Colwise)]
+        self.tp_input_regions = tuple(sorted({p.rpartition(".")[0] for p in columns if "." in p}))
+        self.local_rng_modules = tuple(sorted({p.rpartition(".")[0] for p, s in self.tp_plan.items()
+                                               if isinstance(s, Colwise) and not s.gather_output and "." in p}))
+        self.tp_plan.update(self._split_activation_params(model.base_model))
+        config = model.config
+        splits_heads = any(not s.gather_output for p, s in self.tp_plan.items() if isinstance(s, Colwise))
+        self.tp_divisible = tuple(a for a in ("num_attention_heads", "num_key_value_heads")
+                                  if splits_heads and isinstance(getattr(config, a, None), int))
+
+    def _split_pipeline(self, base: nn.Module, names: List[str]) -> Tuple[str, Dict[str, str], Tuple[str, ...]]:
+        lists = [i for i, n in enumerate(names) if isinstance(_get(base, n), nn.ModuleList)]
+        if len(lists) != 1:
+            raise PlanRefused(f"pipeline plan {names} of {type(base).__name__} has {len(lists)} layer lists; "
+                              f"exactly one is needed.")
+        i = lists[0]
+        entry = {n: INPUT if isinstance(_get(base, n), nn.Embedding) else IDENTITY for n in names[:i]}
+        return names[i], entry, tuple(names[i + 1:])
+
+    def _split_raw_parameters(self, base: nn.Module) -> None:
+        """Plan entries naming a parameter, not a module (e.g. per-head `sinks`): split along heads."""
+        names = [n for n, _ in base.named_parameters()]
+        for pattern, style in list(self.tp_plan.items()):
+            if not any(match(pattern, n) for n in names):
+                continue
+            if not isinstance(style, (Colwise, Rowwise)) or getattr(style, "n_fused", 1) != 1:
+                raise PlanRefused(f"tp plan of parameter '{pattern}' uses {style}, which raw parameters cannot take.")
+            self.tp_plan[pattern] = SplitParam(0 if isinstance(style, Colwise) else -1)
+
+    def _check_modules(self, model: nn.Module, prefix: str) -> None:
+        """Every plan entry must name modules of the kind its style shards (checked before any collective)."""
+        for plan, root in ((self.tp_plan, prefix), (self.head_tp_plan, "")):
+            for pattern, style in plan.items():
+                for path, module in model.named_modules():
+                    if not path.startswith(root) or not match(pattern, path[len(root):]):
+                        continue
+                    if isinstance(style, SplitParam):
+                        continue
+                    need = _NEEDS.get(type(style), nn.Linear if isinstance(style, VocabHead) else nn.Module)
+                    if not isinstance(module, need):
+                        raise PlanRefused(f"tp plan shards '{path}' ({type(module).__name__}) as "
+                                          f"{type(style).__name__}, which needs a {need.__name__}.")
+
+    def _split_activation_params(self, base: nn.Module) -> Dict[str, GradAllReduce]:
+        """Modules with parameters inside a region whose column layers split their outputs (e.g. a learnable
+        activation between up and down projections) see only this rank's part: their gradients are summed."""
+        regions = [path for path, _ in _matching(base, self.local_rng_modules)]
+        found = {}
+        for path, module in base.named_modules():
+            if any(path.startswith(r + ".") for r in regions) and next(module.parameters(recurse=False), None) \
+                    is not None and not any(match(p, path) for p in self.tp_plan):
+                found[path] = GradAllReduce()
+        return found
+
+    def check_tp(self, config, tp_size: int) -> None:
+        """As Policy.check_tp; with more tp ranks than key/value heads (a multiple of them), the key/value
+        projections are replicated instead (KVHeads) and each attention repeats its kv head for fewer query heads."""
+        kv, heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
+        if "num_key_value_heads" in self.tp_divisible and kv and heads and tp_size > kv and tp_size % kv == 0:
+            self.tp_divisible = tuple(a for a in self.tp_divisible if a != "num_key_value_heads")
+            super().check_tp(config, tp_size)
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            base = self.model.base_model
+            for pattern, style in list(self.tp_plan.items()):
+                kv_modules = [m for _, m in _matching(base, (pattern,)) if isinstance(m, nn.Linear)
+                              and m.out_features == kv * head_dim] if isinstance(style, Colwise) else []
+                if kv_modules and not style.gather_output:
+                    self.tp_plan[pattern] = KVHeads(kv)
+                    self.tp_attribute_values = {**self.tp_attribute_values,
+                                                pattern.rpartition(".")[0]: {"num_key_value_groups": heads // tp_size}}
+            return
+        super().check_tp(config, tp_size)
+
+    def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
+        # the models' loops pick a layer's mask (and rotary) by its position in the loop over the held layers
+        types = getattr(self.model.config, "layer_types", None)
+        if isinstance(types, (list, tuple)) and len(types) >= end:
+            return {"layer_types": list(types[start:end])}
+        return {}
+
+
+def _relative(plan: Dict[str, object], prefix: str) -> Tuple[Dict[str, object], Dict[str, object]]:
+    """Split a model-relative plan into (base-relative entries, entries outside the base model)."""
+    base, head = {}, {}
+    for path, value in plan.items():
+        if prefix and path.startswith(prefix):
+            base[path[len(prefix):]] = value
+        elif prefix:
+            head[path] = value
+        else:
+            base[path] = value
+    return base, head
+
+
+def _matching(base: nn.Module, patterns) -> List[Tuple[str, nn.Module]]:
+    return [(path, m) for path, m in base.named_modules() if any(match(p, path) for p in patterns)]
+
+
+def _get(module: nn.Module, path: str) -> Optional[nn.Module]:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None

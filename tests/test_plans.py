@@ -1,0 +1,83 @@
+"""Models without a hand-written policy train exactly through the policy derived from their transformers plans:
+a handful that exercise different features, under tp, pp and tp x pp, against the unsharded model."""
+import pytest
+import transformers
+
+from shardformer.check.cli import main as check_main
+from shardformer.check.compare import compare
+from shardformer.check.tiny import tiny_config
+from shardformer.policies import Colwise, Policy, PlanRefused, Rowwise, VocabEmbedding, VocabHead, get_autopolicy
+from shardformer.policies.base import INPUT
+from tests import model_utils as mu
+from tests.dist_utils import run_distributed
+
+# family -> what it exercises
+FAMILIES = {
+    "Qwen3": "per-head q/k norms (replicated_with_grad_allreduce)",
+    "Gemma": "embedding scaled inside its module, tied LM head",
+    "Olmo2": "q/k norms over the whole projection (colwise_gather_output + rowwise_split_input)",
+    "Granite": "embedding multiplier in the model's forward, residual/attention/logit multipliers",
+    "Phi": "partial rotary, biases, embedding dropout entry module, final_layernorm exit",
+    "Cohere": "parallel attention/MLP block, logit scale, tied head",
+    "Gemma2": "sliding/full layer types per layer, soft-capping",
+}
+OVERRIDES = {"Granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                             logits_scaling=2.0)}
+for _family in FAMILIES:
+    mu.MODELS[f"{_family.lower()}_lm"] = (
+        lambda n=4, f=_family: getattr(transformers, f"{f}ForCausalLM")(
+            tiny_config(getattr(transformers, f"{f}Config"), num_hidden_layers=n, **OVERRIDES.get(f, {}))))
+KINDS = [f"{f.lower()}_lm" for f in FAMILIES]
+# 4 query heads, 2 key/value heads (with biases): tp=4 replicates each kv head on 2 ranks
+mu.MODELS["qwen2_gqa_lm"] = lambda n=4: transformers.Qwen2ForCausalLM(
+    tiny_config(transformers.Qwen2Config, num_hidden_layers=n))
+
+
+class Qwen3WithoutNormSum(Policy):
+    """A deliberately wrong policy: Llama's layout for Qwen3, forgetting that the per-head q/k norms see only this
+    rank's heads (their gradients must be summed over tp)."""
+    layers = "layers"
+    entry = {"embed_tokens": INPUT}
+    exit = ("norm",)
+    tp_plan = {"embed_tokens": VocabEmbedding(), "layers.*.self_attn.q_proj": Colwise(),
+               "layers.*.self_attn.k_proj": Colwise(), "layers.*.self_attn.v_proj": Colwise(),
+               "layers.*.self_attn.o_proj": Rowwise(), "layers.*.mlp.gate_proj": Colwise(),
+               "layers.*.mlp.up_proj": Colwise(), "layers.*.mlp.down_proj": Rowwise()}
+    head_tp_plan = {"lm_head": VocabHead()}
+
+
+def _four_ranks(kinds):
+    for kind in kinds:
+        mu.check_training(kind, steps=1, tp_size=2)  # dp 2
+        mu.check_training(kind, steps=1, pp_size=2, num_microbatches=2)  # dp 2
+        mu.check_training(kind, tp_size=2, pp_size=2, num_microbatches=2)
+    mu.check_training("qwen2_gqa_lm", tp_size=4)
+    build = mu.MODELS["qwen3_lm"]
+    assert compare(build, 2, 2) == ("pass", "", compare(build, 2, 2).max_loss_error)
+    verdict = compare(build, 2, 2, policy=Qwen3WithoutNormSum())
+    assert verdict.result == "fail" and verdict.detail.startswith(
+        "gradient of model.layers.0.self_attn.q_norm.weight differs"), verdict
+
+
+@pytest.mark.parametrize("kinds", [KINDS])
+def test_derived_policies_train_exactly(kinds):
+    run_distributed(4, _four_ranks, kinds)
+
+
+def test_checker_cli_names_the_wrong_gradient(capsys):
+    """`python -m shardformer.check` spawns its own processes and names the first differing parameter."""
+    assert check_main(["Qwen3ForCausalLM", "--tp", "2", "--pp", "1",
+                       "--policy", "tests.test_plans:Qwen3WithoutNormSum"]) == 1
+    assert "FAIL Qwen3ForCausalLM tp=2 pp=1: gradient of model.layers.0.self_attn.q_norm.weight" in \
+        capsys.readouterr().out
+
+
+def test_refusals_name_module_and_style():
+    """A plan that cannot be honoured exactly is refused before any collective, naming module and style."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    with pytest.raises(PlanRefused, match=r"layers\.\*\.mlp\.experts.* 'moe_tp_experts': mixture-of-experts"):
+        get_autopolicy(MixtralForCausalLM(tiny_config(MixtralConfig, num_local_experts=2)))
+    model = mu.MODELS["qwen3_lm"]()
+    model._tp_plan = {**model._tp_plan, "model.layers.*.mlp.up_proj": "diagonal"}  # the plan transformers built
+    with pytest.raises(PlanRefused, match=r"'layers\.\*\.mlp\.up_proj' uses style 'diagonal'"):
+        get_autopolicy(model)

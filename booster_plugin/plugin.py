@@ -75,6 +75,21 @@ def _alias(alias: str, alias_value: Optional[int], name: str, value: int) -> int
     return alias_value
 
 
+def _agree_on_layout(**settings: int) -> None:
+    """One all-gather over the world: ranks created with different settings (e.g. tp_size) would create different
+    process groups and hang; every rank raises the same error naming the differing setting instead."""
+    mine = torch.tensor(list(settings.values()), dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    for rank, row in enumerate(rows):
+        differ = [name for name, a, b in zip(settings, row.tolist(), rows[0].tolist()) if a != b]
+        if differ:
+            shown = ", ".join(f"{n}: rank 0 has {rows[0][list(settings).index(n)].item()}, rank {rank} has "
+                              f"{row[list(settings).index(n)].item()}" for n in differ)
+            raise ValueError(f"HybridParallelPlugin was created with different settings on different ranks ({shown}); "
+                             f"every rank must pass the same arguments.")
+
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
@@ -174,6 +189,9 @@ class HybridParallelPlugin:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds.")
         ensure_distributed(timeout)
+        _agree_on_layout(tp_size=tp_size, pp_size=pp_size, num_microbatches=num_microbatches or 0,
+                         microbatch_size=microbatch_size or 0, zero_stage=zero_stage,
+                         precision=_SUPPORTED_PRECISIONS.index(precision), check_batches=int(check_batches))
         self.failure_guard = FailureGuard.shared()
         world = dist.get_world_size()
         if world % (tp_size * pp_size):

@@ -44,6 +44,7 @@ class Sharder:
 
     def shard(self) -> List[Dict[int, str]]:
         """Shard in place; returns the shared parameters as [{stage: parameter name on that stage}]."""
+        self.policy.check_paths()
         self.policy.check_tp(self.model.config, self.shard_config.tp_size)
         tied = self._tied_names()
         shared = self.policy.shared_param_names() if self.shard_config.pipeline_stage_manager else []

@@ -1,5 +1,5 @@
 """Paddle-style `parallelize(model, optimizer, mesh, config)`: Llama trained with a Paddle-style loop through a
-parallelize_plan and split_spec equals the HybridParallelPlugin path (built-in LlamaPolicy) and the unsharded
+parallelize_plan and split_spec equals the HybridParallelPlugin path (Llama's plan-derived policy) and the unsharded
 model; plans that do not map are refused.
 (`four_ranks` runs in tests/test_seeds.py, one process group for all three files.)"""
 import copy
@@ -13,7 +13,7 @@ from pipeline import ProcessGroupMesh
 from shardformer.plan import (ColWiseParallel, RowWiseParallel, SequenceParallelBegin, SplitPoint, resolve_plan,
                               resolve_split)
 from shardformer.policies.base import Colwise, Rowwise, VocabEmbedding, VocabHead
-from shardformer.policies.llama import LlamaPolicy
+from shardformer.policies import get_autopolicy
 from tests import model_utils as mu
 from tests.readme_blocks import readme_block
 
@@ -32,7 +32,8 @@ LLAMA_PLAN = {
 def test_plan_resolves_to_the_built_in_policy():
     model = mu.build("llama_lm")
     styles = resolve_plan(model, LLAMA_PLAN)
-    expected = {f"model.{p.replace('*', str(i))}": s for p, s in LlamaPolicy.tp_plan.items() for i in range(4)}
+    derived = get_autopolicy(model).tp_plan  # Llama's policy, derived from its transformers plans
+    expected = {f"model.{p.replace('*', str(i))}": s for p, s in derived.items() for i in range(4)}
     assert styles == {**expected, "lm_head": VocabHead()}
     assert styles["model.embed_tokens"] == VocabEmbedding() and styles["model.layers.3.mlp.up_proj"] == Colwise()
     assert styles["model.layers.0.self_attn.o_proj"] == Rowwise()

@@ -79,6 +79,10 @@ def _gpt2_heads(n_head):
     return GPT2LMHeadModel(config)
 
 
+class _WrongPathPolicy(Policy):
+    layers = "decoder.layers"  # an OPT path on GPT-2
+
+
 # -- model / layout: refused at boost ----------------------------------------------------------------------------------
 BOOST_CASES = [
     (lambda: _boost(dict(pp_size=2, num_microbatches=2), torch.nn.Linear(2, 2)), NotImplementedError,
@@ -92,6 +96,10 @@ BOOST_CASES = [
     (_twice, ValueError, "already boosted"),
     (_conflicting_plugins, ValueError, "already has a plugin"),
     (lambda: Booster(plugin="tp=2"), TypeError, "plugin must be a HybridParallelPlugin"),
+    (lambda: HybridParallelPlugin(tp_size=1 + _rank()), ValueError,
+     "created with different settings on different ranks \\(tp_size: rank 0 has 1, rank 1 has 2\\)"),
+    (lambda: _boost(dict(pp_size=2, num_microbatches=2, custom_policy=_WrongPathPolicy()), mu.build("gpt2_lm")),
+     ValueError, "_WrongPathPolicy.layers names 'decoder.layers', which GPT2Model .* has \\['wte', 'wpe'"),
 ]
 
 

@@ -116,6 +116,32 @@ class Policy:
     def layer_list(self) -> nn.ModuleList:
         return self.model.get_submodule(self.base_prefix + self.layers)
 
+    def check_paths(self) -> None:
+        """Refuse a policy whose module paths do not exist in the model, naming the policy entry and what exists."""
+        base, name = self.model.base_model, type(self).__name__
+
+        def refuse(entry: str, path: str) -> None:
+            parent, _, _ = path.rpartition(".")
+            try:
+                children = [n for n, _ in (base.get_submodule(parent) if parent else base).named_children()]
+            except AttributeError:
+                children = [n for n, _ in base.named_children()]
+            raise ValueError(f"{name}.{entry} names {path!r}, which {type(base).__name__} (the base model of "
+                             f"{type(self.model).__name__}) does not have; there, {parent or 'the base model'} has "
+                             f"{children}. Paths are relative to the base model.")
+
+        try:
+            layers = base.get_submodule(self.layers) if self.layers else None
+        except AttributeError:
+            layers = None
+        if self.layers and not isinstance(layers, nn.ModuleList):
+            refuse("layers", self.layers)
+        for entry, paths in (("entry", list(self.entry)), ("exit", list(self.exit))):
+            for path in paths:
+                parent = path.rpartition(".")[0]
+                if parent and not _has(base, parent):
+                    refuse(entry, path)
+
     def num_layers(self) -> int:
         """Layers of the unsharded model (remembered: after sharding the list holds this stage's only)."""
         if getattr(self, "_num_layers", None) is None:

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from pipeline.trace import ScheduleTracer
-from pipeline import OneForwardOneBackwardSchedule, PipelineP2PCommunication, PipelineStageManager, ProcessGroupMesh
+from pipeline import PipelineP2PCommunication, PipelineSchedule, PipelineStageManager, ProcessGroupMesh
+from pipeline.schedules import layout_for, make_schedule
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sharder import ShardConfig, Sharder
 
@@ -68,9 +69,9 @@ class HybridParallelPlugin:
             raise ValueError(f"precision={precision!r} is not supported; use one of {_SUPPORTED_PRECISIONS}.")
         if zero_stage != 0:
             raise NotImplementedError("zero_stage > 0 is not implemented; use zero_stage=0.")
-        if pp_style != "1f1b" or num_model_chunks != 1:
-            raise NotImplementedError(f"pp_style={pp_style!r} with num_model_chunks={num_model_chunks} is not "
-                                      f"implemented; use pp_style='1f1b' with num_model_chunks=1.")
+        layout = layout_for(pp_style, pp_size, num_model_chunks)  # pp_style "1f1b", "interleaved" or "zbv"
+        if pp_style != "1f1b" and (pp_size == 1 or p2p_transport != "p2p"):
+            raise ValueError(f"pp_style={pp_style!r} needs pp_size > 1 and p2p_transport='p2p'.")
         if enable_sequence_parallelism:
             raise NotImplementedError("Sequence parallelism is not implemented; use enable_sequence_parallelism=False.")
         if loss_weight_fn is not None and pp_size == 1 and not (num_microbatches or microbatch_size):
@@ -79,9 +80,8 @@ class HybridParallelPlugin:
         if pp_size > 1:
             if (num_microbatches is None) == (microbatch_size is None):
                 raise ValueError("With pp_size > 1 give exactly one of num_microbatches or microbatch_size.")
-            if num_microbatches is not None and num_microbatches < pp_size:
-                raise ValueError(f"1F1B needs num_microbatches >= pp_size to fill the pipeline: got "
-                                 f"num_microbatches={num_microbatches}, pp_size={pp_size}.")
+            if num_microbatches is not None:
+                make_schedule(pp_style, pp_size, num_model_chunks, num_microbatches)  # e.g. m < p: a clear error
         ensure_distributed()
         world = dist.get_world_size()
         if world % (tp_size * pp_size):
@@ -97,7 +97,8 @@ class HybridParallelPlugin:
         self.pg_mesh = ProcessGroupMesh(self.dp_size, pp_size, tp_size)
         self.dp_group = self.pg_mesh.get_group_along_axis(DP_AXIS)
         self.tp_group = self.pg_mesh.get_group_along_axis(TP_AXIS)
-        self.stage_manager = PipelineStageManager(self.pg_mesh, PP_AXIS, num_layers_per_stage=num_layers_per_stage)
+        self.stage_manager = PipelineStageManager(self.pg_mesh, PP_AXIS, num_model_chunks=num_model_chunks,
+                                                  num_layers_per_stage=num_layers_per_stage, layout_style=layout.style)
         self.pp_group = self.stage_manager.pp_group
         self.dp_rank = self.pg_mesh.coordinate[DP_AXIS]
         self.tp_rank = self.pg_mesh.coordinate[TP_AXIS]
@@ -105,7 +106,7 @@ class HybridParallelPlugin:
         if pp_size > 1 or num_microbatches or microbatch_size:
             p2p = PipelineP2PCommunication(self.stage_manager, self.device, transport=p2p_transport,
                                            enable_metadata_cache=enable_metadata_cache)
-            self.schedule = OneForwardOneBackwardSchedule(self.stage_manager, p2p, num_microbatches, microbatch_size)
+            self.schedule = PipelineSchedule(self.stage_manager, p2p, num_microbatches, microbatch_size, pp_style)
             if loss_weight_fn is not None:
                 self.schedule.loss_scales_fn = self._token_weighted_scales(loss_weight_fn)
             if trace if trace is not None else os.environ.get("HP_TRACE", "0") not in ("", "0"):

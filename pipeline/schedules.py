@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Tuple
 
-from .actions import COMPUTE, B, F, I, W, Action, add_communication
+from .actions import B, F, I, W, Action, add_communication
 from .layout import LOOP, V, StageLayout
 
 
@@ -151,11 +151,43 @@ def forward_only(schedule: Schedule) -> Schedule:
                     [0] * schedule.layout.num_ranks)
 
 
-def compute_actions(actions: List[Action]) -> List[Action]:
-    """The compute part of a rank's action list."""
-    return [a for a in actions if a.kind in COMPUTE]
-
-
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+STYLES = ("1f1b", "interleaved", "zbv")
+
+
+def layout_for(style: str, num_ranks: int, num_chunks: int) -> StageLayout:
+    """Where the virtual stages of `style` live.
+
+    Args:
+        style: "1f1b", "interleaved" or "zbv".
+        num_ranks: pipeline ranks.
+        num_chunks: model chunks per rank (1 for "1f1b", 2 for "zbv").
+    """
+    if style not in STYLES:
+        raise ValueError(f"Unknown pp_style {style!r}; use one of {STYLES}.")
+    expected = {"1f1b": num_chunks == 1, "interleaved": num_chunks >= 2, "zbv": num_chunks == 2}[style]
+    if not expected:
+        need = {"1f1b": "num_model_chunks=1", "interleaved": "num_model_chunks >= 2", "zbv": "num_model_chunks=2"}
+        raise ValueError(f"pp_style={style!r} needs {need[style]}, got num_model_chunks={num_chunks}.")
+    return StageLayout(num_ranks, num_chunks, V if style == "zbv" else LOOP)
+
+
+def make_schedule(style: str, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
+    """The schedule of `style` for p ranks, v chunks per rank and m microbatches (raises ValueError if invalid).
+
+    Args:
+        style: "1f1b", "interleaved" or "zbv".
+        num_ranks: pipeline ranks p.
+        num_chunks: model chunks per rank v.
+        num_microbatches: microbatches m per step.
+    """
+    layout_for(style, num_ranks, num_chunks)
+    if style == "1f1b":
+        return one_f_one_b(num_ranks, num_microbatches)
+    if style == "interleaved":
+        return interleaved(num_ranks, num_chunks, num_microbatches)
+    return zero_bubble_v(num_ranks, num_microbatches)

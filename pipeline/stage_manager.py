@@ -3,39 +3,52 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple, Union
 
+from .layout import LOOP, StageLayout
 from .mesh import ProcessGroupMesh
 
 
 class PipelineStageManager:
     """Stage bookkeeping along the mesh's pipeline axis.
 
-    With `num_model_chunks` > 1 each rank holds several model chunks (virtual stages) for interleaved
-    schedules: chunk c of stage s is virtual stage `c * num_stages + s`.
+    With `num_model_chunks` > 1 each rank holds several model chunks (virtual stages), placed by `layout_style`
+    (pipeline/layout.py): "loop" (chunk c of stage s is virtual stage `c * num_stages + s`) or "v" (zero-bubble V).
+    Without a current chunk (`model_chunk_id` None), `is_first_stage` / `is_last_stage` say whether this rank
+    holds the first / last virtual stage.
+
+    Args:
+        pg_mesh: the process-group mesh.
+        pipeline_axis: its pipeline axis.
+        num_model_chunks: chunks per rank.
+        num_layers_per_stage: layers of each virtual stage (None: even split).
+        layout_style: "loop" or "v".
     """
 
     def __init__(self, pg_mesh: ProcessGroupMesh, pipeline_axis: int, num_model_chunks: int = 1,
-                 num_layers_per_stage: Optional[Sequence[int]] = None) -> None:
+                 num_layers_per_stage: Optional[Sequence[int]] = None, layout_style: str = LOOP) -> None:
         self.pg_mesh = pg_mesh
         self.pipeline_axis = pipeline_axis
         self.num_stages = pg_mesh.size(pipeline_axis)
         self.stage = pg_mesh.coordinate[pipeline_axis]
         self.num_model_chunks = num_model_chunks
-        self.model_chunk_id: Optional[int] = None  # set by interleaved schedules while running a chunk
+        self.layout = StageLayout(self.num_stages, num_model_chunks, layout_style)
+        self.model_chunk_id: Optional[int] = None  # set by the schedule while it runs a chunk
         self.num_layers_per_stage = list(num_layers_per_stage) if num_layers_per_stage is not None else None
         self.stage_ranks: Tuple[int, ...] = pg_mesh.ranks_along_axis(pipeline_axis)
         self.pp_group = pg_mesh.get_group_along_axis(pipeline_axis)
 
     # -- position ---------------------------------------------------------------------------------------
+    def _holds(self, virtual_stage: int, ignore_chunk: bool) -> bool:
+        if ignore_chunk:  # the physical stage
+            return self.stage == (0 if virtual_stage == 0 else self.num_stages - 1)
+        if self.model_chunk_id is None:
+            return self.layout.rank_of(virtual_stage) == self.stage
+        return self.layout.stage_of(self.stage, self.model_chunk_id) == virtual_stage
+
     def is_first_stage(self, ignore_chunk: bool = False) -> bool:
-        if self.num_model_chunks == 1 or ignore_chunk or self.model_chunk_id is None:
-            return self.stage == 0
-        return self.stage == 0 and self.model_chunk_id == 0
+        return self._holds(0, ignore_chunk)
 
     def is_last_stage(self, ignore_chunk: bool = False) -> bool:
-        last = self.stage == self.num_stages - 1
-        if self.num_model_chunks == 1 or ignore_chunk or self.model_chunk_id is None:
-            return last
-        return last and self.model_chunk_id == self.num_model_chunks - 1
+        return self._holds(self.layout.num_stages - 1, ignore_chunk)
 
     def rank_of_stage(self, stage: int) -> int:
         return self.stage_ranks[stage % self.num_stages]
@@ -54,7 +67,8 @@ class PipelineStageManager:
 
     @property
     def last_rank(self) -> int:
-        return self.stage_ranks[-1]
+        """The rank holding the last virtual stage (the loss)."""
+        return self.stage_ranks[self.layout.rank_of(self.layout.num_stages - 1)]
 
     # -- layer split ------------------------------------------------------------------------------------
     @staticmethod
@@ -91,6 +105,6 @@ class PipelineStageManager:
             bounds.append(bounds[-1] + n)
         indices = []
         for c in range(chunks):
-            v = c * self.num_stages + stage
+            v = self.layout.stage_of(stage, c)
             indices.append((bounds[v], bounds[v + 1]))
         return indices[0] if chunks == 1 else indices

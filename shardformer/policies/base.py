@@ -99,8 +99,9 @@ class Policy:
         return self.stage_manager.layers_per_virtual_stage(self.num_layers())
 
     def stage_of_param(self, name: str) -> Optional[Tuple[int, ...]]:
-        """The pipeline stages that hold parameter `name` (model-relative), from this policy's split."""
-        n = self.stage_manager.num_stages
+        """The pipeline stages (ranks along the pipeline) that hold parameter `name` (model-relative)."""
+        sm = self.stage_manager
+        n, rank_of, last = sm.num_stages, sm.layout.rank_of, sm.layout.num_stages - 1
         prefix = self.base_prefix
         layers = prefix + self.layers + "."
         if name.startswith(layers):
@@ -108,19 +109,20 @@ class Policy:
             bounds = [0]
             for k in self.layers_per_stage():
                 bounds.append(bounds[-1] + k)
-            return (next(s for s in range(n) if bounds[s] <= index < bounds[s + 1]),)
+            return (rank_of(next(v for v in range(last + 1) if bounds[v] <= index < bounds[v + 1])),)
         if any(name.startswith(prefix + e + ".") for e in self.entry):
-            return (0,)
+            return (rank_of(0),)
         if any(name.startswith(prefix + e + ".") for e in self.exit) or not name.startswith(prefix):
-            return (n - 1,)
+            return (rank_of(last),)
         return tuple(range(n))  # used by every stage (rare): kept everywhere, gradients summed over stages
 
     def get_held_layers(self) -> List[nn.Module]:
-        """Modules (layers, entry, exit, head) held by this rank's stage."""
+        """Modules (layers, entry, exit, head) held by this rank's stage (all its chunks)."""
         sm = self.stage_manager
-        start, end = sm.get_stage_index(self.layers_per_stage())
+        ranges = sm.get_stage_index(self.layers_per_stage(), num_model_chunks=sm.num_model_chunks)
+        ranges = [ranges] if sm.num_model_chunks == 1 else ranges
         # by key, not position: after sharding the list keeps only this stage's layers, under their HF indices
-        held = [m for key, m in self.layer_list().named_children() if start <= int(key) < end]
+        held = [m for key, m in self.layer_list()._modules.items() if any(s <= int(key) < e for s, e in ranges)]
         base = self.model.base_model
         if sm.is_first_stage():
             held += [base.get_submodule(e) for e in self.entry if _has(base, e)]

@@ -88,6 +88,10 @@ class PipelineStageManager:
         """Layers of each virtual stage (num_stages * num_model_chunks of them), user split first."""
         total = self.num_stages * self.num_model_chunks
         if self.num_layers_per_stage is None:
+            if self.num_model_chunks > 1 and num_layers < total:
+                raise ValueError(f"Cannot split {num_layers} layers over {total} virtual pipeline stages "
+                                 f"({self.num_model_chunks} chunks on each of {self.num_stages} stages): every chunk "
+                                 f"needs at least one layer.")
             return self.distribute_layers(num_layers, total)
         split = self.num_layers_per_stage
         if len(split) != total or sum(split) != num_layers or min(split) < 1:

@@ -69,6 +69,8 @@ class HybridParallelPlugin:
             raise ValueError(f"precision={precision!r} is not supported; use one of {_SUPPORTED_PRECISIONS}.")
         if zero_stage != 0:
             raise NotImplementedError("zero_stage > 0 is not implemented; use zero_stage=0.")
+        if isinstance(num_layers_per_stage, str) and num_layers_per_stage != "auto":
+            raise ValueError(f"num_layers_per_stage must be a list, None or 'auto', got {num_layers_per_stage!r}.")
         layout = layout_for(pp_style, pp_size, num_model_chunks)  # pp_style "1f1b", "interleaved" or "zbv"
         if pp_style != "1f1b" and (pp_size == 1 or p2p_transport != "p2p"):
             raise ValueError(f"pp_style={pp_style!r} needs pp_size > 1 and p2p_transport='p2p'.")

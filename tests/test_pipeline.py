@@ -130,6 +130,18 @@ def _two_ranks(tmp_dir: str):
     mu.check_training("llama_lm", layers=6, pp_size=2, num_microbatches=4, num_layers_per_stage=[1, 2, 2, 1],
                       **INTERLEAVED)
     _check_memory_promise(ZBV)
+    _check_auto_split()
+
+
+def _check_auto_split():
+    """num_layers_per_stage="auto": the last stage, which also runs the (big) LM head and loss, gets fewer layers;
+    training stays exact; a user-given list still wins."""
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=2, num_layers_per_stage="auto")
+    model, *_ = Booster(plugin=plugin).boost(mu.build("gpt2_lm", layers=5))
+    assert model.policy.layers_per_stage() == [3, 2]  # the even split is [2, 3]; the head costs ~1/4 layer here
+    mu.check_training("gpt2_lm", layers=5, pp_size=2, num_microbatches=4, num_layers_per_stage="auto")
+    with pytest.raises(ValueError, match="num_layers_per_stage must be a list, None or 'auto'"):
+        HybridParallelPlugin(pp_size=2, num_microbatches=2, num_layers_per_stage="even")
 
 
 INTERLEAVED = dict(pp_style="interleaved", num_model_chunks=2)

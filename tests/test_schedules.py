@@ -11,6 +11,7 @@ from pipeline.layout import LOOP, V, StageLayout
 from pipeline.schedules import Schedule, forward_only, interleaved, make_schedule, one_f_one_b, zero_bubble_v
 from pipeline.simulator import ScheduleError, simulate
 from pipeline.split_backward import backward_input, backward_weight
+from pipeline.stage_manager import StageCosts, balanced_split
 
 SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in sorted({p, p + 1, 2 * p, 4 * p})]
 
@@ -135,3 +136,13 @@ def test_split_backward_equals_full_backward():
     torch.nn.functional.linear(torch.nn.functional.linear(x_ref, w, shared.bias.detach()), w, shared.bias.detach()).backward(grad)
     torch.testing.assert_close(shared.weight.grad, w.grad)
     torch.testing.assert_close(x_in.grad, x_ref.grad)
+
+
+def test_balanced_split_weighs_head_and_embeddings():
+    assert balanced_split(StageCosts([1.0] * 8, 0.0, 0.0), 4) == [2, 2, 2, 2]
+    assert balanced_split(StageCosts([1.0] * 8, 0.1, 2.0), 2) == [5, 3]  # the head is worth two layers
+    assert balanced_split(StageCosts([1.0] * 8, 2.0, 0.0), 2) == [3, 5]
+    assert balanced_split(StageCosts([1.0, 1.0, 4.0, 1.0], 0.0, 0.0), 3) == [2, 1, 1]
+    assert min(balanced_split(StageCosts([1.0] * 4, 0.0, 100.0), 4)) == 1  # every stage keeps a layer
+    with pytest.raises(ValueError, match="every stage needs a layer"):
+        balanced_split(StageCosts([1.0] * 3, 0.0, 0.0), 4)

@@ -14,7 +14,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from pipeline.stage_manager import StageCosts
+
 from ..stage import IDENTITY, INPUT, ZEROS  # noqa: F401  (re-exported for policies)
+
+EMBEDDING_COST = 0.25  # an embedding lookup (and its gradient) per parameter, relative to a matmul's
 
 
 # -- tensor-parallel styles (plans are data) ------------------------------------------------------------------
@@ -66,7 +70,7 @@ class Policy:
     # -- ColossalAI-style setters ---------------------------------------------------------------------------
     def set_model(self, model: nn.Module) -> None:
         self.model = model
-        self._num_layers = self._shared_names = None
+        self._num_layers = self._shared_names = self._split = None
 
     def set_pipeline_stage_manager(self, stage_manager) -> None:
         self.stage_manager = stage_manager
@@ -96,7 +100,23 @@ class Policy:
         return self._num_layers
 
     def layers_per_stage(self) -> List[int]:
-        return self.stage_manager.layers_per_virtual_stage(self.num_layers())
+        """Layers of each virtual stage; decided once, on the unsharded model (needed by num_layers_per_stage="auto")."""
+        if getattr(self, "_split", None) is None:
+            self._split = self.stage_manager.layers_per_virtual_stage(self.num_layers(), self.stage_costs)
+        return self._split
+
+    def stage_costs(self) -> StageCosts:
+        """Estimated compute for num_layers_per_stage="auto": a matmul's work grows with its parameters, so a layer
+        costs its parameter count, the last stage adds its exit modules and head (the LM head, even when tied, plus
+        its loss), the first its entry modules at EMBEDDING_COST per parameter (a lookup, and in backward a dense
+        gradient as large as the table)."""
+        base = self.model.base_model
+        count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+        layers = [float(count(layer)) for layer in self.layer_list()]
+        first = EMBEDDING_COST * sum(count(base.get_submodule(e)) for e in self.entry if _has(base, e))
+        last = sum(count(base.get_submodule(e)) for e in self.exit if _has(base, e) and base.get_submodule(e) is not None)
+        last += sum(count(m) for m in self.head_modules().values())
+        return StageCosts(layers, float(first), float(last))
 
     def stage_of_param(self, name: str) -> Optional[Tuple[int, ...]]:
         """The pipeline stages (ranks along the pipeline) that hold parameter `name` (model-relative)."""

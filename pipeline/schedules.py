@@ -5,7 +5,7 @@
 - `interleaved(p, v, m)`: Megatron's interleaved 1F1B over v chunks per rank ("loop" layout); bubble
   (p-1)/(v·m+p-1); needs m to be a multiple of p.
 - `zero_bubble_v(p, m)`: two chunks per rank in a V, backward split into input (I) and weight (W) parts; a greedy
-  list scheduler runs I as soon as possible, forwards while at most 2p chunk activations are alive, and W to fill
+  list scheduler (under `unit_cost`) runs I as soon as possible, forwards while at most 2p chunk activations are alive, and W to fill
   what would be bubble.
 - `forward_only(schedule)`: the forwards of a schedule, for evaluation.
 Every generator's result is checked by pipeline/simulator.py in the tests.
@@ -16,6 +16,14 @@ from typing import Dict, List, NamedTuple, Tuple
 
 from .actions import B, F, I, W, Action, add_communication
 from .layout import LOOP, V, StageLayout
+
+
+def unit_cost(action: Action) -> float:
+    """The cost model of the generators and the simulator's default: F = I = W = 1 and B = 2 per chunk, except on
+    the first virtual stage, which has no input gradient: there I = 0 and W = 2 (pipeline/split_backward.py)."""
+    if action.stage == 0 and action.kind in (I, W):
+        return 0.0 if action.kind == I else 2.0
+    return 2.0 if action.kind == B else 1.0
 
 
 class Schedule(NamedTuple):
@@ -97,12 +105,12 @@ def zero_bubble_v(num_ranks: int, num_microbatches: int) -> Schedule:
 
 
 def _greedy(layout: StageLayout, m: int, cap: int) -> List[List[Action]]:
-    """List scheduling with unit costs for F, I and W: each free rank runs a ready I (the critical path), else a
-    ready F while fewer than `cap` activations are alive (the later virtual stage first), else a pending W."""
+    """List scheduling under `unit_cost`: each free rank runs a ready I (the critical path), else a ready F while
+    fewer than `cap` activations are alive (the later virtual stage first), else a pending W."""
     p, last = layout.num_ranks, layout.num_stages - 1
-    done: Dict[Action, int] = {}  # compute action -> finish time
+    done: Dict[Action, float] = {}  # compute action -> finish time
     orders: List[List[Action]] = [[] for _ in range(p)]
-    free = [0] * p
+    free = [0.0] * p
     next_f = {s: 0 for s in range(last + 1)}
     next_i = {s: 0 for s in range(last + 1)}
     pending_w: List[List[Action]] = [[] for _ in range(p)]
@@ -140,7 +148,7 @@ def _greedy(layout: StageLayout, m: int, cap: int) -> List[List[Action]]:
             continue
         idle = 0
         orders[rank].append(action)
-        done[action] = free[rank] = t + 1
+        done[action] = free[rank] = t + unit_cost(action)
     return orders
 
 

@@ -10,12 +10,10 @@ activations alive than the schedule promises. It returns the timings under unit 
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Set, Tuple, Union
 
 from .actions import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, peer_stage
-from .schedules import Schedule
-
-DEFAULT_COSTS = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
+from .schedules import Schedule, unit_cost
 
 
 class ScheduleError(AssertionError):
@@ -33,14 +31,17 @@ class SimulationResult(NamedTuple):
         return 1 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
 
 
-def simulate(schedule: Schedule, costs: Optional[Dict[str, float]] = None) -> SimulationResult:
+def simulate(schedule: Schedule, costs: Union[None, Dict[str, float], Callable[[Action], float]] = None
+             ) -> SimulationResult:
     """Run `schedule` on a simulated clock; raise ScheduleError on any violation.
 
     Args:
         schedule: the schedule to check.
-        costs: time of F, B, I and W (default 1, 2, 1, 1); transfers take no time.
+        costs: time of F, B, I and W, or a function of the compute action (default `unit_cost`); transfers take
+            no time.
     """
-    costs = costs or DEFAULT_COSTS
+    table = costs or unit_cost
+    cost = table if callable(table) else lambda a: table[a.kind]  # noqa: E731
     layout, m = schedule.layout, schedule.num_microbatches
     p, last = layout.num_ranks, layout.num_stages - 1
     training = any(a.kind in (B, I, W) for actions in schedule.actions for a in actions)
@@ -104,8 +105,8 @@ def simulate(schedule: Schedule, costs: Optional[Dict[str, float]] = None) -> Si
                     if ready is None:
                         fail(rank, a, "its input is neither computed on this rank nor received before")
                     begin = max(start, ready)
-                    clock[rank] = begin + costs[a.kind]
-                    busy[rank] += costs[a.kind]
+                    clock[rank] = begin + cost(a)
+                    busy[rank] += cost(a)
                     done[key] = clock[rank]
                     if a.kind in (B, I):
                         done[("BI", a.stage, a.microbatch)] = clock[rank]

@@ -12,8 +12,9 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from pipeline.trace import ScheduleTracer
+from pipeline import PipelineP2PCommunication, PipelineSchedule, PipelineStageManager, ProcessGroupMesh
 from pipeline.schedule import split_batch
-from pipeline import OneForwardOneBackwardSchedule, PipelineP2PCommunication, PipelineStageManager, ProcessGroupMesh
+from pipeline.schedules import layout_for, make_schedule
 from shardformer.parallelformers import as_policy
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sharder import ShardConfig, Sharder
@@ -165,9 +166,11 @@ class HybridParallelPlugin:
         if gradient_checkpoint_config is not None:
             gradient_checkpoint_config.check(pp_size)
         self.gradient_checkpoint_config = gradient_checkpoint_config
-        if pp_style != "1f1b" or num_model_chunks != 1:
-            raise NotImplementedError(f"pp_style={pp_style!r} with num_model_chunks={num_model_chunks} is not "
-                                      f"implemented; use pp_style='1f1b' with num_model_chunks=1.")
+        if isinstance(num_layers_per_stage, str) and num_layers_per_stage != "auto":
+            raise ValueError(f"num_layers_per_stage must be a list, None or 'auto', got {num_layers_per_stage!r}.")
+        layout = layout_for(pp_style, pp_size, num_model_chunks)  # pp_style "1f1b", "interleaved" or "zbv"
+        if pp_style != "1f1b" and (pp_size == 1 or p2p_transport != "p2p"):
+            raise ValueError(f"pp_style={pp_style!r} needs pp_size > 1 and p2p_transport='p2p'.")
         if enable_sequence_parallelism:
             raise NotImplementedError("Sequence parallelism is not implemented; use enable_sequence_parallelism=False.")
         if max_norm < 0:
@@ -181,9 +184,8 @@ class HybridParallelPlugin:
         if loss_weight_fn is not None and pp_size == 1 and not (num_microbatches or microbatch_size):
             raise ValueError("loss_weight_fn weighs the microbatches of execute_pipeline: also give num_microbatches "
                              "(or microbatch_size).")
-        if pp_size > 1 and num_microbatches is not None and num_microbatches < pp_size:
-            raise ValueError(f"1F1B needs num_microbatches >= pp_size to fill the pipeline: got "
-                             f"num_microbatches={num_microbatches}, pp_size={pp_size}.")
+        if pp_size > 1 and num_microbatches is not None:
+            make_schedule(pp_style, pp_size, num_model_chunks, num_microbatches)  # e.g. m < p: a clear error
         if on_nonfinite not in ("skip", "raise", "ignore"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use 'skip', 'raise' or 'ignore'.")
         if timeout is not None and timeout <= 0:
@@ -191,7 +193,8 @@ class HybridParallelPlugin:
         ensure_distributed(timeout)
         _agree_on_layout(tp_size=tp_size, pp_size=pp_size, num_microbatches=num_microbatches or 0,
                          microbatch_size=microbatch_size or 0, zero_stage=zero_stage,
-                         precision=_SUPPORTED_PRECISIONS.index(precision), check_batches=int(check_batches))
+                         precision=_SUPPORTED_PRECISIONS.index(precision), check_batches=int(check_batches),
+                         num_model_chunks=num_model_chunks)
         self.failure_guard = FailureGuard.shared()
         world = dist.get_world_size()
         if world % (tp_size * pp_size):
@@ -206,6 +209,7 @@ class HybridParallelPlugin:
         self.precision, self.max_norm, self.custom_policy = precision, max_norm, custom_policy
         self.parallel_output, self.make_vocab_size_divisible_by = parallel_output, make_vocab_size_divisible_by
         self.seed, self.check_batches, self.timeout, self.on_nonfinite = seed, check_batches, timeout, on_nonfinite
+        self.pp_style, self.num_model_chunks = pp_style, num_model_chunks
         self.bucket_bytes = int(ddp_bucket_cap_mb * 1024 * 1024)
         self.device = default_device()
 
@@ -213,7 +217,8 @@ class HybridParallelPlugin:
                                         timeout=timedelta(seconds=timeout) if timeout else None)
         self.dp_group = self.pg_mesh.get_group_along_axis(DP_AXIS)
         self.tp_group = self.pg_mesh.get_group_along_axis(TP_AXIS)
-        self._stage_manager = PipelineStageManager(self.pg_mesh, PP_AXIS, num_layers_per_stage=num_layers_per_stage)
+        self._stage_manager = PipelineStageManager(self.pg_mesh, PP_AXIS, num_model_chunks=num_model_chunks,
+                                                   num_layers_per_stage=num_layers_per_stage, layout_style=layout.style)
         self.pp_group = self._stage_manager.pp_group
         self.dp_rank = self.pg_mesh.coordinate[DP_AXIS]
         self.tp_rank = self.pg_mesh.coordinate[TP_AXIS]
@@ -224,8 +229,9 @@ class HybridParallelPlugin:
         if pp_size > 1 or num_microbatches or microbatch_size:
             p2p = PipelineP2PCommunication(self._stage_manager, self.device, transport=p2p_transport,
                                            enable_metadata_cache=enable_metadata_cache)
-            self.schedule = OneForwardOneBackwardSchedule(
-                self._stage_manager, p2p, pp_size if self.auto_microbatches else num_microbatches, microbatch_size)
+            self.schedule = PipelineSchedule(self._stage_manager, p2p,
+                                             pp_size if self.auto_microbatches else num_microbatches,
+                                             microbatch_size, pp_style)
             if loss_weight_fn is not None:
                 self.schedule.loss_scales_fn = self._token_weighted_scales(loss_weight_fn)
             if trace if trace is not None else os.environ.get("HP_TRACE", "0") not in ("", "0"):
@@ -333,7 +339,8 @@ class HybridParallelPlugin:
         if self.check_batches:  # one small all-gather: a bad batch anywhere raises the same error everywhere
             agree_on_batch(batch, model.batch_limits, self._num_microbatches, self.dp_rank, self.device)
         if self.auto_microbatches:
-            self.schedule.num_microbatches = default_num_microbatches(batch, self.pp_size)
+            self.schedule.num_microbatches = default_num_microbatches(batch, self.pp_size,
+                                                                      self.pp_style == "interleaved")
         if self.loss_weight_fn is not None and criterion is not None:
             criterion = _without_empty_microbatches(criterion, self.loss_weight_fn)
         with self.failure_guard.step("execute_pipeline"):  # a failure from here on ends the step on every rank
@@ -359,12 +366,12 @@ class HybridParallelPlugin:
     def _num_microbatches(self, batch: Any) -> int:
         """How this step splits `batch` (raises as the schedule would on a batch that does not split)."""
         if self.auto_microbatches:
-            m, size = default_num_microbatches(batch, self.pp_size), None
+            m, size = default_num_microbatches(batch, self.pp_size, self.pp_style == "interleaved"), None
         else:
             m, size = self.schedule.num_microbatches, self.schedule.microbatch_size
         m = len(split_batch(batch, m, size))
-        if m < self.pp_size:
-            raise ValueError(f"1F1B needs at least pp_size={self.pp_size} microbatches, got {m}.")
+        if self.pp_size > 1:
+            make_schedule(self.pp_style, self.pp_size, self.num_model_chunks, m)  # e.g. m < p: the schedule's error
         return m
 
     def write_trace(self, out_dir: str) -> Optional[Dict[str, float]]:
@@ -386,16 +393,17 @@ class HybridParallelPlugin:
                           pin_memory=pin_memory, num_workers=num_workers, **kwargs)
 
 
-def default_num_microbatches(batch: Any, pp_size: int) -> int:
+def default_num_microbatches(batch: Any, pp_size: int, multiple_of_pp: bool = False) -> int:
     """Microbatches of a step when none were configured: the largest divisor of the batch size in [pp, 4 * pp]
-    (1F1B needs at least pp; more shrinks the bubble (p-1)/(m+p-1), at the cost of smaller microbatches)."""
+    (1F1B needs at least pp; more shrinks the bubble (p-1)/(m+p-1), at the cost of smaller microbatches); a
+    multiple of pp for the interleaved schedule."""
     sizes = [v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0] \
         if isinstance(batch, Mapping) else []
     if not sizes:
         return pp_size  # split_batch explains what is wrong with the batch
     size = sizes[0]
     for m in range(min(size, 4 * pp_size), pp_size - 1, -1):
-        if size % m == 0:
+        if size % m == 0 and not (multiple_of_pp and m % pp_size):
             return m
     raise ValueError(f"A batch of {size} samples cannot be split into {pp_size} to {4 * pp_size} equal microbatches "
                      f"for pp_size={pp_size}: use a batch size with such a divisor (e.g. {2 * pp_size}) or set "

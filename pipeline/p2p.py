@@ -5,7 +5,8 @@ on, a link's first transfer of each step starts with a one-int64 header (0 = "sa
 the length of the new metadata that follows); the step's other transfers carry only tensors, since the
 microbatches of one step share their shapes (the sender checks it). With the cache off every transfer has a header.
 
-Two transports: "p2p" (batched isend/irecv; sends are waited on lazily, so they overlap the next compute) and
+Two transports: "p2p" (batched isend/irecv; sends never wait, they complete by `flush`, so they overlap the next
+compute and a schedule cannot deadlock on a send) and
 "broadcast" (the original design: a broadcast in a two-rank group per adjacent pair; combined send+recv calls then
 run forward-direction first on both ends of a link, which keeps the order of collectives identical on both ranks).
 `benchmarks/bench_p2p.py` measures both; "p2p" is the default.
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from .stage_manager import PipelineStageManager
 
-_FORWARD, _BACKWARD = "fwd", "bwd"
+FORWARD, BACKWARD = "fwd", "bwd"
 
 
 def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
@@ -92,24 +93,24 @@ class PipelineP2PCommunication:
 
     # -- public API -------------------------------------------------------------------------------------
     def send_forward(self, obj: Any) -> None:
-        self._exchange(sends=[(self.stage_manager.next_rank, _FORWARD, obj)], recvs=[])
+        self.exchange(sends=[(self.stage_manager.next_rank, FORWARD, obj)], recvs=[])
 
     def recv_forward(self) -> Any:
-        return self._exchange(sends=[], recvs=[(self.stage_manager.prev_rank, _FORWARD)])[0]
+        return self.exchange(sends=[], recvs=[(self.stage_manager.prev_rank, FORWARD)])[0]
 
     def send_backward(self, obj: Any) -> None:
-        self._exchange(sends=[(self.stage_manager.prev_rank, _BACKWARD, obj)], recvs=[])
+        self.exchange(sends=[(self.stage_manager.prev_rank, BACKWARD, obj)], recvs=[])
 
     def recv_backward(self) -> Any:
-        return self._exchange(sends=[], recvs=[(self.stage_manager.next_rank, _BACKWARD)])[0]
+        return self.exchange(sends=[], recvs=[(self.stage_manager.next_rank, BACKWARD)])[0]
 
     def send_forward_recv_backward(self, obj: Any) -> Any:
         peer = self.stage_manager.next_rank
-        return self._exchange(sends=[(peer, _FORWARD, obj)], recvs=[(peer, _BACKWARD)])[0]
+        return self.exchange(sends=[(peer, FORWARD, obj)], recvs=[(peer, BACKWARD)])[0]
 
     def send_backward_recv_forward(self, obj: Any) -> Any:
         peer = self.stage_manager.prev_rank
-        return self._exchange(sends=[(peer, _BACKWARD, obj)], recvs=[(peer, _FORWARD)])[0]
+        return self.exchange(sends=[(peer, BACKWARD, obj)], recvs=[(peer, FORWARD)])[0]
 
     # -- machinery ----------------------------------------------------------------------------------------
     def _link(self, peer: int, direction: str, way: str) -> _Link:
@@ -122,12 +123,19 @@ class PipelineP2PCommunication:
 
     def flush(self) -> None:
         """Wait for the sends still in flight (the schedule calls it at the end of a step)."""
-        for work in self._pending_sends:
+        for work, _ in self._pending_sends:
             work.wait()
         self._pending_sends.clear()
 
-    def _exchange(self, sends, recvs) -> List[Any]:
-        """Send and receive together: headers and changed metadata where due, then the tensors."""
+    def exchange(self, sends: List[Tuple[int, str, Any]], recvs: List[Tuple[int, str]]) -> List[Any]:
+        """Send and receive together: headers and changed metadata where due, then the tensors.
+
+        Args:
+            sends: (peer rank, "fwd" or "bwd", nested structure of tensors) to send; with the "p2p" transport
+                sends never wait for the receiver (they complete by `flush`).
+            recvs: (peer rank, "fwd" or "bwd") to receive, returned in this order. Transfers between two ranks are
+                matched first-in first-out: both ends must issue them in the same order.
+        """
         cache = self.enable_metadata_cache
         header_sends, meta_sends, out_tensors = [], [], []
         for peer, direction, obj in sends:
@@ -167,7 +175,7 @@ class PipelineP2PCommunication:
         in_tensors = [[torch.empty(shape, dtype=getattr(torch, dtype), device=self.device) for shape, dtype, _ in d["tensors"]]
                       for d in decoded]
         self._run([(p, d, t) for (p, d, _), ts in zip(sends, out_tensors) for t in ts],
-                  [(p, d, t) for (p, d), ts in zip(recvs, in_tensors) for t in ts], defer_sends=True)
+                  [(p, d, t) for (p, d), ts in zip(recvs, in_tensors) for t in ts])
         results = []
         for d, tensors in zip(decoded, in_tensors):
             for t, (_, _, requires_grad) in zip(tensors, d["tensors"]):
@@ -175,23 +183,21 @@ class PipelineP2PCommunication:
             results.append(unflatten(d["tree"], tensors))
         return results
 
-    def _run(self, sends: List[Tuple[int, str, torch.Tensor]], recvs: List[Tuple[int, str, torch.Tensor]],
-             defer_sends: bool = False) -> None:
+    def _run(self, sends: List[Tuple[int, str, torch.Tensor]], recvs: List[Tuple[int, str, torch.Tensor]]) -> None:
         if self.transport == "p2p":
             ops = [dist.P2POp(dist.isend, t, peer) for peer, _, t in sends]
             ops += [dist.P2POp(dist.irecv, t, peer) for peer, _, t in recvs]
             if not ops:
                 return
             works = dist.batch_isend_irecv(ops)
-            if defer_sends:
-                self._pending_sends.extend(works[: len(sends)])
-                works = works[len(sends):]
-            for work in works:
+            # sends are waited on in flush (their tensors stay referenced until then); receives now
+            self._pending_sends.extend(zip(works[: len(sends)], [t for _, _, t in sends]))
+            for work in works[len(sends):]:
                 work.wait()
             return
         # broadcast: forward-direction transfers first, so both ends of a link issue them in the same order
         me = dist.get_rank()
         ordered = [(d, peer, me, t) for peer, d, t in sends] + [(d, peer, peer, t) for peer, d, t in recvs]
-        ordered.sort(key=lambda x: x[0] != _FORWARD)
+        ordered.sort(key=lambda x: x[0] != FORWARD)
         for _, peer, src, tensor in ordered:
             dist.broadcast(tensor, src=src, group=self._pair_groups[(min(me, peer), max(me, peer))])

@@ -1,18 +1,24 @@
-"""The 1F1B pipeline schedule: warm-up forwards, steady one-forward-one-backward, cool-down backwards.
+"""The pipeline runtime: runs one rank's list of schedule actions (pipeline/actions.py) for a training or
+evaluation step. Which actions, in which order, is decided by a generator in pipeline/schedules.py
+("1f1b", "interleaved", "zbv"); this file knows no schedule.
 
-Stage s runs `min(p - s - 1, m)` warm-up forwards, so at most `p - s` microbatches of activations are alive on it
-(GPipe keeps all `m`). The model is called as `model(**micro_batch, **received)`; the last stage applies
-`criterion(outputs, micro_batch)` and the mean over microbatches is the step's loss, broadcast to every stage.
+The model is called as `model(**micro_batch, **received)` with `stage_manager.model_chunk_id` set to the chunk of
+the action's virtual stage; the last virtual stage applies `criterion(outputs, micro_batch)` and the mean over
+microbatches (or the `loss_scales_fn` weighting) is the step's loss, broadcast to every stage.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .p2p import PipelineP2PCommunication
+from .actions import B, COMM, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, peer_stage
+from .p2p import BACKWARD, FORWARD, PipelineP2PCommunication
+from .schedules import Schedule, forward_only, make_schedule
+from .simulator import simulate
+from .split_backward import backward_input, backward_weight
 from .stage_manager import PipelineStageManager
 from .trace import ScheduleTracer
 
@@ -89,151 +95,230 @@ def _detach(obj: Any) -> Any:
     return obj
 
 
-def _set_grad_sync(model: Any, enabled: bool) -> None:
-    """Models that reduce gradients during backward (data parallel) do it only in the step's last backward."""
-    if hasattr(model, "require_grad_sync"):
-        model.require_grad_sync = enabled
+def _leaves(obj: Any) -> List[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.requires_grad else []
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _leaves(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _leaves(v)]
+    return []
 
 
-class OneForwardOneBackwardSchedule:
-    """Runs one training (or evaluation) step of `num_microbatches` microbatches over the pipeline."""
+def _handoff(obj: Any) -> Any:
+    """An output passed to the next virtual stage on the same rank: a new leaf, as if it had been received."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().requires_grad_(obj.requires_grad)
+    if isinstance(obj, Mapping):
+        return {k: _handoff(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_handoff(v) for v in obj)
+    return obj
+
+
+class _Step:
+    """What one step keeps between actions, keyed by (virtual stage, microbatch)."""
+
+    def __init__(self, model, criterion, optimizer, microbatches, scales, weights, return_outputs, device) -> None:
+        self.model, self.criterion, self.optimizer = model, criterion, optimizer
+        self.microbatches, self.scales, self.weights = microbatches, scales, weights
+        self.return_outputs = return_outputs
+        self.loss = torch.zeros((), device=device)
+        self.outputs: Dict[int, Any] = {}
+        self.fwd_in: Dict[Tuple[int, int], Any] = {}   # inputs of forwards (received or handed over)
+        self.bwd_in: Dict[Tuple[int, int], Any] = {}   # gradients of outputs (received or handed over)
+        self.outbox: Dict[Action, Any] = {}            # results waiting for their SEND action
+        self.saved: Dict[Tuple[int, int], Tuple[Any, Any]] = {}  # (input, output) until the backward is done
+        self.weight_work: Dict[Tuple[int, int], Any] = {}  # I done, W pending
+
+
+class PipelineSchedule:
+    """Runs training (or evaluation) steps of `num_microbatches` microbatches over the pipeline by executing this
+    rank's actions of the schedule generated for `style`.
+
+    Args:
+        stage_manager: this rank's stage, layout of the virtual stages and pipeline group.
+        p2p: transfers between ranks.
+        num_microbatches: microbatches per step (or give `microbatch_size`).
+        microbatch_size: samples per microbatch.
+        style: "1f1b", "interleaved" or "zbv" (pipeline/schedules.py).
+    """
 
     def __init__(self, stage_manager: PipelineStageManager, p2p: PipelineP2PCommunication,
-                 num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None) -> None:
+                 num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
+                 style: str = "1f1b") -> None:
         if (num_microbatches is None) == (microbatch_size is None):
-            raise ValueError("Give exactly one of num_microbatches or microbatch_size to the 1F1B schedule.")
-        if num_microbatches is not None and num_microbatches < stage_manager.num_stages:
-            raise ValueError(f"1F1B needs num_microbatches >= pp_size to fill the pipeline; got num_microbatches="
-                             f"{num_microbatches} with pp_size={stage_manager.num_stages}.")
-        self.stage_manager = stage_manager
-        self.p2p = p2p
-        self.num_microbatches = num_microbatches
-        self.microbatch_size = microbatch_size
-        self.peak_inflight_microbatches = 0  # activations alive at once on this stage, for the memory promise
+            raise ValueError("Give exactly one of num_microbatches or microbatch_size to the pipeline schedule.")
+        if style != "1f1b" and p2p.transport != "p2p":
+            raise ValueError(f"pp_style={style!r} needs p2p_transport='p2p' (the broadcast transport's sends wait "
+                             f"for the receiver, which only the 1f1b order allows).")
+        self.stage_manager, self.p2p, self.style = stage_manager, p2p, style
+        self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
+        self._plans: Dict[int, Tuple[Schedule, float]] = {}
+        if num_microbatches is not None:
+            self._plan(num_microbatches)  # invalid (style, p, m) fails here, before any step
+        self.peak_inflight_microbatches = 0  # (virtual stage, microbatch) activations alive at once on this rank
         self.tracer: Optional[ScheduleTracer] = None  # set to record a timeline (pipeline/trace.py)
         # microbatches -> (scale of each microbatch loss in backward, its weight in the reported loss); default:
         # 1/m for both. Lets the plugin weigh microbatches by their number of loss tokens.
         self.loss_scales_fn: Optional[Callable[[List[Dict[str, Any]]], tuple]] = None
 
+    def _plan(self, m: int) -> Tuple[Schedule, float]:
+        """The schedule for m microbatches and its bubble under unit costs (the theory the trace compares with)."""
+        if m not in self._plans:
+            sm = self.stage_manager
+            schedule = make_schedule(self.style, sm.num_stages, sm.num_model_chunks, m)
+            self._plans[m] = schedule, simulate(schedule).bubble
+        return self._plans[m]
+
     def _span(self, kind: str, microbatch: int = -1):
         return _NO_SPAN if self.tracer is None else self.tracer.span(kind, microbatch)
-
-    def _comm(self, kind: str, fn: Callable, *args: Any) -> Any:
-        with self._span(kind):
-            return fn(*args)
-
-    # -- one microbatch -----------------------------------------------------------------------------------
-    def _forward(self, model: Callable, micro_batch: Dict[str, Any], input_obj: Any, criterion: Optional[Callable],
-                 state: Dict[str, Any]) -> Any:
-        with self._span("forward", state["forwards"]):
-            state["forwards"] += 1
-            return self._forward_step(model, micro_batch, input_obj, criterion, state)
-
-    def _forward_step(self, model, micro_batch, input_obj, criterion, state) -> Any:
-        output = model(**micro_batch, **(input_obj or {}))
-        if not self.stage_manager.is_last_stage():
-            return output
-        if state["return_outputs"]:
-            state["outputs"].append(_detach(output))
-        if criterion is None:
-            return None
-        loss = criterion(output, micro_batch)
-        index = state["forwards"] - 1
-        state["loss"] += loss.detach() * state["report_weights"][index]
-        return loss * state["backward_scales"][index]
-
-    def _backward(self, optimizer: Any, input_obj: Any, output_obj: Any, output_grad: Any, state: Dict[str, Any]) -> Any:
-        with self._span("backward", state["backwards"]):
-            state["backwards"] += 1
-            return self._backward_step(optimizer, input_obj, output_obj, output_grad)
-
-    @staticmethod
-    def _backward_step(optimizer: Any, input_obj: Any, output_obj: Any, output_grad: Any) -> Any:
-        if output_grad is None:  # last stage: output_obj is the (scaled) loss
-            if hasattr(optimizer, "backward"):
-                optimizer.backward(output_obj)
-            else:
-                output_obj.backward()
-        else:
-            tensors, grads = zip(*_grad_pairs(output_obj, output_grad)) if output_obj is not None else ((), ())
-            if tensors:
-                torch.autograd.backward(list(tensors), grad_tensors=list(grads))
-        return _input_grads(input_obj)
 
     # -- a step ---------------------------------------------------------------------------------------------
     def forward_backward_step(self, model: Callable, data_iter: Iterator, criterion: Optional[Callable],
                               optimizer: Any = None, return_loss: bool = False,
                               return_outputs: bool = False) -> Dict[str, Any]:
+        """One step: forwards and (with grad enabled) backwards of every microbatch; {"loss", "outputs"}.
+
+        Args:
+            model: the stage's model, called as `model(**micro_batch, **received)`.
+            data_iter: yields the batch (a dict of tensors split along dim 0).
+            criterion: `criterion(outputs, micro_batch)` on the last virtual stage.
+            optimizer: its `backward(loss)` runs the last stage's full backward when it has one.
+            return_loss: broadcast the step's loss to every stage.
+            return_outputs: merge the last stage's outputs.
+        """
         microbatches = split_batch(next(data_iter), self.num_microbatches, self.microbatch_size)
-        m, sm, p2p = len(microbatches), self.stage_manager, self.p2p
-        if m < sm.num_stages:
-            raise ValueError(f"1F1B needs at least pp_size={sm.num_stages} microbatches, got {m}.")
-        state = {"loss": torch.zeros((), device=p2p.device), "outputs": [], "return_outputs": return_outputs,
-                 "num_microbatches": m, "forwards": 0, "backwards": 0, "model": model}
+        m, sm = len(microbatches), self.stage_manager
+        schedule, theory = self._plan(m)
+        training = torch.is_grad_enabled()
+        if not training:
+            schedule = forward_only(schedule)
         if self.loss_scales_fn is None:  # the step's loss is the mean of the microbatch losses
-            state["backward_scales"] = state["report_weights"] = [1.0 / m] * m
+            scales = weights = [1.0 / m] * m
         else:
-            state["backward_scales"], state["report_weights"] = self.loss_scales_fn(microbatches)
+            scales, weights = self.loss_scales_fn(microbatches)
         if self.tracer is not None:
-            self.tracer.start_step(m, sm.pp_group)
-        p2p.new_step()
-        first, last = sm.is_first_stage(), sm.is_last_stage()
-        next_mb = iter(microbatches)
-
-        if not torch.is_grad_enabled():  # evaluation: forwards only
-            for mb in next_mb:
-                input_obj = None if first else self._comm("recv", p2p.recv_forward)
-                output = self._forward(model, mb, input_obj, criterion, state)
-                if not last:
-                    self._comm("send", p2p.send_forward, output)
-            return self._finish(state, criterion is not None and return_loss)
-
-        num_warmup = min(sm.num_stages - sm.stage - 1, m)
-        num_steady = m - num_warmup
-        input_objs: List[Any] = []
-        output_objs: List[Any] = []
+            self.tracer.start_step(m, sm.pp_group, theory)
+        self.p2p.new_step()
+        st = _Step(model, criterion, optimizer, microbatches, scales, weights, return_outputs, self.p2p.device)
+        actions = schedule.actions[sm.stage]
+        # data-parallel reduction: launched by gradient hooks in the rank's last gradient action only, and never
+        # when the user accumulates gradients (booster.no_sync), whose setting is restored afterwards
+        user_sync = getattr(model, "require_grad_sync", None)
+        last_grad = max((k for k, a in enumerate(actions) if a.kind in (B, W)), default=-1)
         self.peak_inflight_microbatches = 0
-
-        def run_forward(input_obj):
-            output = self._forward(model, next(next_mb), input_obj, criterion, state)
-            input_objs.append(input_obj)
-            output_objs.append(output)
-            self.peak_inflight_microbatches = max(self.peak_inflight_microbatches, len(output_objs))
-            return output
-
-        for _ in range(num_warmup):
-            output = run_forward(None if first else self._comm("recv", p2p.recv_forward))
-            self._comm("send", p2p.send_forward, output)
-
-        input_obj = None if first or num_steady == 0 else self._comm("recv", p2p.recv_forward)
-        for i in range(num_steady):
-            output = run_forward(input_obj)
-            output_grad = None if last else self._comm("send+recv", p2p.send_forward_recv_backward, output)
-            _set_grad_sync(model, state["backwards"] == m - 1)
-            input_grad = self._backward(optimizer, input_objs.pop(0), output_objs.pop(0), output_grad, state)
-            if i == num_steady - 1:
-                if not first:
-                    self._comm("send", p2p.send_backward, input_grad)
-            elif first:
-                input_obj = None
-            else:
-                input_obj = self._comm("send+recv", p2p.send_backward_recv_forward, input_grad)
-
-        for _ in range(num_warmup):
-            output_grad = self._comm("recv", p2p.recv_backward)
-            _set_grad_sync(model, state["backwards"] == m - 1)
-            input_grad = self._backward(optimizer, input_objs.pop(0), output_objs.pop(0), output_grad, state)
-            if not first:
-                self._comm("send", p2p.send_backward, input_grad)
-        return self._finish(state, return_loss)
-
-    def _finish(self, state: Dict[str, Any], return_loss: bool) -> Dict[str, Any]:
-        self.p2p.flush()
-        _set_grad_sync(state["model"], True)
+        batch: List[Action] = []
+        try:
+            for k, action in enumerate(actions):
+                if action.kind in COMM:
+                    batch.append(action)
+                    if self.p2p.transport == "p2p":  # one transfer at a time; "broadcast" pairs them (1f1b)
+                        batch = self._communicate(batch, st)
+                    continue
+                batch = self._communicate(batch, st)
+                if user_sync is not None and action.kind in (B, I, W):
+                    model.require_grad_sync = user_sync and k == last_grad
+                self._compute(action, st)
+            self._communicate(batch, st)
+            self.p2p.flush()
+        finally:
+            sm.model_chunk_id = None
+            if user_sync is not None:
+                model.require_grad_sync = user_sync
         loss = None
-        if return_loss:
-            loss = state["loss"]
-            if self.stage_manager.num_stages > 1:  # the loss lives on the last stage; give it to every stage
-                dist.broadcast(loss, src=self.stage_manager.last_rank, group=self.stage_manager.pp_group)
-        outputs = merge_outputs(state["outputs"]) if state["outputs"] else None
+        if criterion is not None and return_loss:
+            loss = st.loss
+            if sm.num_stages > 1:  # the loss lives with the last virtual stage; give it to every stage
+                dist.broadcast(loss, src=sm.last_rank, group=sm.pp_group)
+        outputs = merge_outputs([st.outputs[i] for i in sorted(st.outputs)]) if st.outputs else None
         return {"loss": loss, "outputs": outputs}
+
+    # -- transfers -----------------------------------------------------------------------------------------
+    def _communicate(self, batch: List[Action], st: _Step) -> List[Action]:
+        """Run the transfers of `batch` together; returns an empty batch."""
+        if not batch:
+            return batch
+        sm = self.stage_manager
+        peer = lambda a: sm.stage_ranks[sm.layout.rank_of(peer_stage(a))]  # noqa: E731
+        sends = [(peer(a), FORWARD if a.kind == SEND_F else BACKWARD, st.outbox.pop(a))
+                 for a in batch if a.kind in (SEND_F, SEND_B)]
+        recvs = [a for a in batch if a.kind in (RECV_F, RECV_B)]
+        kind = "send+recv" if sends and recvs else "send" if sends else "recv"
+        with self._span(kind):
+            got = self.p2p.exchange(sends, [(peer(a), FORWARD if a.kind == RECV_F else BACKWARD) for a in recvs])
+        for a, obj in zip(recvs, got):
+            (st.fwd_in if a.kind == RECV_F else st.bwd_in)[(a.stage, a.microbatch)] = obj
+        return []
+
+    def _pass_on(self, st: _Step, stage: int, microbatch: int, obj: Any, forward: bool) -> None:
+        """Give a result to the neighbouring virtual stage: locally when this rank holds it, else to its SEND."""
+        layout = self.stage_manager.layout
+        target = stage + 1 if forward else stage - 1
+        if layout.rank_of(target) == layout.rank_of(stage):
+            (st.fwd_in if forward else st.bwd_in)[(target, microbatch)] = _handoff(obj) if forward else obj
+        else:
+            st.outbox[Action(SEND_F if forward else SEND_B, stage, microbatch)] = obj
+
+    # -- compute -------------------------------------------------------------------------------------------
+    def _compute(self, action: Action, st: _Step) -> None:
+        sm = self.stage_manager
+        stage, i = action.stage, action.microbatch
+        last = stage == sm.layout.num_stages - 1
+        if action.kind == F:
+            sm.model_chunk_id = sm.layout.chunk_of(stage)
+            input_obj = None if stage == 0 else st.fwd_in.pop((stage, i))
+            with self._span("forward", i):
+                output = self._forward_step(st, input_obj, i, last)
+            if torch.is_grad_enabled():
+                st.saved[(stage, i)] = (input_obj, output)
+                self.peak_inflight_microbatches = max(self.peak_inflight_microbatches, len(st.saved))
+            if not last:
+                self._pass_on(st, stage, i, output, forward=True)
+            return
+        if action.kind == W:
+            with self._span("backward_weight", i):
+                backward_weight(st.weight_work.pop((stage, i)))
+            del st.saved[(stage, i)]
+            return
+        input_obj, output = st.saved[(stage, i)] if action.kind == I else st.saved.pop((stage, i))
+        output_grad = None if last else st.bwd_in.pop((stage, i))
+        if action.kind == B:
+            with self._span("backward", i):
+                self._backward_step(st.optimizer, output, output_grad)
+        else:
+            with self._span("backward_input", i):
+                roots, grads = ([output], [None]) if last else _split_pairs(output, output_grad)
+                st.weight_work[(stage, i)] = backward_input(roots, grads, _leaves(input_obj))
+        if stage > 0:
+            self._pass_on(st, stage, i, _input_grads(input_obj), forward=False)
+
+    def _forward_step(self, st: _Step, input_obj: Any, i: int, last: bool) -> Any:
+        micro_batch = st.microbatches[i]
+        output = st.model(**micro_batch, **(input_obj or {}))
+        if not last:
+            return output
+        if st.return_outputs:
+            st.outputs[i] = _detach(output)
+        if st.criterion is None:
+            return None
+        loss = st.criterion(output, micro_batch)
+        st.loss += loss.detach() * st.weights[i]
+        return loss * st.scales[i]
+
+    @staticmethod
+    def _backward_step(optimizer: Any, output_obj: Any, output_grad: Any) -> None:
+        if output_grad is None:  # last stage: output_obj is the (scaled) loss
+            if hasattr(optimizer, "backward"):
+                optimizer.backward(output_obj)
+            else:
+                output_obj.backward()
+            return
+        tensors, grads = _split_pairs(output_obj, output_grad)
+        if tensors:
+            torch.autograd.backward(tensors, grad_tensors=grads)
+
+
+def _split_pairs(output_obj: Any, output_grad: Any) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    pairs = list(_grad_pairs(output_obj, output_grad)) if output_obj is not None else []
+    return [t for t, _ in pairs], [g for _, g in pairs]

@@ -1,41 +1,107 @@
 """Which pipeline stage this rank is, its neighbours, and which layers each stage (or virtual stage) holds."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
+from .layout import LOOP, StageLayout
+
+AUTO = "auto"
+
+
+class StageCosts(NamedTuple):
+    """Estimated compute of a model, in any unit: per layer, and the work only the first / last stage does
+    (embeddings; final norm, head and loss)."""
+    layers: Sequence[float]
+    first: float
+    last: float
+
+
+def balanced_split(costs: StageCosts, num_parts: int) -> List[int]:
+    """Contiguous layer counts (each >= 1) for `num_parts` stages minimizing the most expensive stage (then the
+    sum of squared stage costs), the first stage also paying `costs.first` and the last `costs.last`.
+
+    Args:
+        costs: per-layer costs and the extra work of the first and last stage.
+        num_parts: number of (virtual) stages.
+    """
+    layers, n = list(costs.layers), len(costs.layers)
+    if n < num_parts:
+        raise ValueError(f"Cannot split {n} layers over {num_parts} pipeline stages: every stage needs a layer.")
+    prefix = [0.0]
+    for c in layers:
+        prefix.append(prefix[-1] + c)
+
+    def part(i: int, j: int, k: int) -> float:  # layers [i, j) as stage k
+        return prefix[j] - prefix[i] + (costs.first if k == 0 else 0.0) + (costs.last if k == num_parts - 1 else 0.0)
+
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]  # best[k][j]: first j layers in k stages
+    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    best[0][0] = (0.0, 0.0)
+    for k in range(1, num_parts + 1):
+        for j in range(k, n - (num_parts - k) + 1):
+            for i in range(k - 1, j):
+                if best[k - 1][i] == inf:
+                    continue
+                c = part(i, j, k - 1)
+                cand = (max(best[k - 1][i][0], c), best[k - 1][i][1] + c * c)
+                if cand < best[k][j]:
+                    best[k][j], cut[k][j] = cand, i
+    split, j = [], n
+    for k in range(num_parts, 0, -1):
+        split.append(j - cut[k][j])
+        j = cut[k][j]
+    return split[::-1]
 from .mesh import ProcessGroupMesh
 
 
 class PipelineStageManager:
     """Stage bookkeeping along the mesh's pipeline axis.
 
-    With `num_model_chunks` > 1 each rank holds several model chunks (virtual stages) for interleaved
-    schedules: chunk c of stage s is virtual stage `c * num_stages + s`.
+    With `num_model_chunks` > 1 each rank holds several model chunks (virtual stages), placed by `layout_style`
+    (pipeline/layout.py): "loop" (chunk c of stage s is virtual stage `c * num_stages + s`) or "v" (zero-bubble V).
+    Without a current chunk (`model_chunk_id` None), `is_first_stage` / `is_last_stage` say whether this rank
+    holds the first / last virtual stage.
+
+    Args:
+        pg_mesh: the process-group mesh.
+        pipeline_axis: its pipeline axis.
+        num_model_chunks: chunks per rank.
+        num_layers_per_stage: layers of each virtual stage (None: even split; "auto": balanced by cost, see
+            `layers_per_virtual_stage`).
+        layout_style: "loop" or "v".
     """
 
     def __init__(self, pg_mesh: ProcessGroupMesh, pipeline_axis: int, num_model_chunks: int = 1,
-                 num_layers_per_stage: Optional[Sequence[int]] = None) -> None:
+                 num_layers_per_stage: Union[None, str, Sequence[int]] = None, layout_style: str = LOOP) -> None:
+        if isinstance(num_layers_per_stage, str) and num_layers_per_stage != AUTO:
+            raise ValueError(f"num_layers_per_stage must be a list of layer counts, None or 'auto', "
+                             f"got {num_layers_per_stage!r}.")
         self.pg_mesh = pg_mesh
         self.pipeline_axis = pipeline_axis
         self.num_stages = pg_mesh.size(pipeline_axis)
         self.stage = pg_mesh.coordinate[pipeline_axis]
         self.num_model_chunks = num_model_chunks
-        self.model_chunk_id: Optional[int] = None  # set by interleaved schedules while running a chunk
-        self.num_layers_per_stage = list(num_layers_per_stage) if num_layers_per_stage is not None else None
+        self.layout = StageLayout(self.num_stages, num_model_chunks, layout_style)
+        self.model_chunk_id: Optional[int] = None  # set by the schedule while it runs a chunk
+        self.num_layers_per_stage = num_layers_per_stage if num_layers_per_stage in (None, AUTO) \
+            else list(num_layers_per_stage)
         self.stage_ranks: Tuple[int, ...] = pg_mesh.ranks_along_axis(pipeline_axis)
         self.pp_group = pg_mesh.get_group_along_axis(pipeline_axis)
 
     # -- position ---------------------------------------------------------------------------------------
+    def _holds(self, virtual_stage: int, ignore_chunk: bool) -> bool:
+        if ignore_chunk:  # the physical stage
+            return self.stage == (0 if virtual_stage == 0 else self.num_stages - 1)
+        if self.model_chunk_id is None:
+            return self.layout.rank_of(virtual_stage) == self.stage
+        return self.layout.stage_of(self.stage, self.model_chunk_id) == virtual_stage
+
     def is_first_stage(self, ignore_chunk: bool = False) -> bool:
-        if self.num_model_chunks == 1 or ignore_chunk or self.model_chunk_id is None:
-            return self.stage == 0
-        return self.stage == 0 and self.model_chunk_id == 0
+        return self._holds(0, ignore_chunk)
 
     def is_last_stage(self, ignore_chunk: bool = False) -> bool:
-        last = self.stage == self.num_stages - 1
-        if self.num_model_chunks == 1 or ignore_chunk or self.model_chunk_id is None:
-            return last
-        return last and self.model_chunk_id == self.num_model_chunks - 1
+        return self._holds(self.layout.num_stages - 1, ignore_chunk)
 
     def rank_of_stage(self, stage: int) -> int:
         return self.stage_ranks[stage % self.num_stages]
@@ -54,7 +120,8 @@ class PipelineStageManager:
 
     @property
     def last_rank(self) -> int:
-        return self.stage_ranks[-1]
+        """The rank holding the last virtual stage (the loss)."""
+        return self.stage_ranks[self.layout.rank_of(self.layout.num_stages - 1)]
 
     # -- layer split ------------------------------------------------------------------------------------
     @staticmethod
@@ -70,10 +137,24 @@ class PipelineStageManager:
             layers[i] += 1
         return layers
 
-    def layers_per_virtual_stage(self, num_layers: int) -> List[int]:
-        """Layers of each virtual stage (num_stages * num_model_chunks of them), user split first."""
+    def layers_per_virtual_stage(self, num_layers: int, costs: Optional[Callable[[], StageCosts]] = None) -> List[int]:
+        """Layers of each virtual stage (num_stages * num_model_chunks of them): the user's list, else balanced
+        by `costs()` with num_layers_per_stage="auto", else an even split.
+
+        Args:
+            num_layers: layers of the whole model.
+            costs: the estimated cost of each layer and of the work before / after them (needed for "auto").
+        """
         total = self.num_stages * self.num_model_chunks
+        if self.num_layers_per_stage == AUTO:
+            if costs is None:
+                raise ValueError("num_layers_per_stage='auto' needs the layers' estimated costs.")
+            return balanced_split(costs(), total)
         if self.num_layers_per_stage is None:
+            if self.num_model_chunks > 1 and num_layers < total:
+                raise ValueError(f"Cannot split {num_layers} layers over {total} virtual pipeline stages "
+                                 f"({self.num_model_chunks} chunks on each of {self.num_stages} stages): every chunk "
+                                 f"needs at least one layer.")
             return self.distribute_layers(num_layers, total)
         split = self.num_layers_per_stage
         if len(split) != total or sum(split) != num_layers or min(split) < 1:
@@ -91,6 +172,6 @@ class PipelineStageManager:
             bounds.append(bounds[-1] + n)
         indices = []
         for c in range(chunks):
-            v = c * self.num_stages + stage
+            v = self.layout.stage_of(stage, c)
             indices.append((bounds[v], bounds[v + 1]))
         return indices[0] if chunks == 1 else indices

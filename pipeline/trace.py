@@ -16,9 +16,10 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-KINDS = ("forward", "backward", "send", "recv", "send+recv", "optimizer")
+KINDS = ("forward", "backward", "send", "recv", "send+recv", "optimizer", "backward_input", "backward_weight")
+COMPUTE_KINDS = (0, 1, 6, 7)
 COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "send": "#55A868", "recv": "#8C8C8C", "send+recv": "#8172B3",
-          "optimizer": "#C44E52"}
+          "optimizer": "#C44E52", "backward_input": "#E5AE38", "backward_weight": "#937860"}
 
 
 class ScheduleTracer:
@@ -27,12 +28,16 @@ class ScheduleTracer:
         self.events: List[tuple] = []  # (kind index, microbatch, start s, end s, step)
         self.step = -1
         self.num_microbatches = 0
+        self.theoretical_bubble = 0.0
         self._epoch = 0.0
 
-    def start_step(self, num_microbatches: int, group: Optional[dist.ProcessGroup] = None) -> None:
-        dist.barrier(group=group)  # align the ranks' clocks at the step start
+    def start_step(self, num_microbatches: int, group: Optional[dist.ProcessGroup] = None,
+                   theoretical_bubble: float = 0.0) -> None:
+        """Align the ranks' clocks (a barrier) and note the schedule's bubble under unit costs."""
+        dist.barrier(group=group)
         self.step += 1
         self.num_microbatches = num_microbatches
+        self.theoretical_bubble = theoretical_bubble
         if self.step == 0:
             self._epoch = time.perf_counter()
 
@@ -61,7 +66,7 @@ class ScheduleTracer:
             return None
         per_rank = [p[: int(c.item())] for p, c in zip(parts, counts)]
         os.makedirs(out_dir, exist_ok=True)
-        summary = bubble_summary(per_rank, self.num_stages, self.num_microbatches)
+        summary = bubble_summary(per_rank, self.num_stages, self.num_microbatches, self.theoretical_bubble)
         write_chrome_trace(per_rank, os.path.join(out_dir, "trace.json"))
         write_png(per_rank, os.path.join(out_dir, "timeline.png"), summary)
         with open(os.path.join(out_dir, "bubble.json"), "w") as f:
@@ -78,7 +83,8 @@ def last_training_step(per_rank: List[torch.Tensor]) -> int:
     return int((training if training.numel() else rows)[:, 4].max())
 
 
-def bubble_summary(per_rank: List[torch.Tensor], num_stages: int, num_microbatches: int) -> Dict[str, float]:
+def bubble_summary(per_rank: List[torch.Tensor], num_stages: int, num_microbatches: int,
+                   theoretical_bubble: float) -> Dict[str, float]:
     """Bubble of the last training step: 1 - compute time / pipeline time (first forward to last backward or
     send, the optimizer step left out), averaged over ranks."""
     fractions = []
@@ -87,13 +93,13 @@ def bubble_summary(per_rank: List[torch.Tensor], num_stages: int, num_microbatch
         if events.numel() == 0:
             continue
         last = events[(events[:, 4] == step) & (events[:, 0] != KINDS.index("optimizer"))]
-        compute = last[(last[:, 0] == 0) | (last[:, 0] == 1)]
+        compute = last[sum(last[:, 0] == k for k in COMPUTE_KINDS) > 0]
         span = last[:, 3].max() - last[:, 2].min()
         busy = (compute[:, 3] - compute[:, 2]).sum()
         fractions.append(float(1 - busy / span) if span > 0 else 0.0)
     p, m = num_stages, num_microbatches
     return {"measured_bubble": sum(fractions) / max(len(fractions), 1),
-            "theoretical_bubble": (p - 1) / (m + p - 1) if m else 0.0, "num_stages": p, "num_microbatches": m,
+            "theoretical_bubble": theoretical_bubble, "num_stages": p, "num_microbatches": m,
             "step": step}
 
 
@@ -126,15 +132,15 @@ def write_png(per_rank: List[torch.Tensor], path: str, summary: Dict[str, float]
                 continue
             kind = KINDS[int(k)]
             ax.barh(rank, (e - s) * 1e3, left=s * 1e3, color=COLORS[kind], edgecolor="white", linewidth=0.3)
-            if kind in ("forward", "backward") and (e - s) * 1e3 > 0.5:
+            if int(k) in COMPUTE_KINDS and (e - s) * 1e3 > 0.5:
                 ax.text((s + e) / 2 * 1e3, rank, str(int(mb)), ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_title(f"pipeline timeline — bubble measured {summary['measured_bubble']:.1%}, "
-                 f"theory (p-1)/(m+p-1) = {summary['theoretical_bubble']:.1%}")
+                 f"schedule's own (unit costs) {summary['theoretical_bubble']:.1%}")
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.35), fontsize=7, ncol=6, frameon=False)
+              bbox_to_anchor=(0.5, -0.35), fontsize=7, ncol=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -164,7 +164,7 @@ class EncoderDecoderPolicy(Policy):
                     exit_module, exit_is_encoder = stack, True  # leave with the encoder's output
                 else:
                     capture = stack  # the decoder layers here need it; later stages get it too
-            replace_submodule(base, layers, held_layer_list(full, lo, hi))  # empty where not held
+            replace_submodule(base, layers, held_layer_list(full, range(lo, hi)))  # empty where not held
         if not sm.is_last_stage():
             for name in self.head_modules():
                 setattr(self.model, name, Released(name))

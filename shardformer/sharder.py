@@ -13,7 +13,7 @@ from torch import nn
 from .layer.spec import TPSpec, get_tp_spec, shard_parameter
 from .policies.base import (Colwise, GradAllReduce, HeadEmbedding, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
                             VocabHead, match)
-from .stage import (Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
+from .stage import (ChunkView, Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
                     stand_in_for)
 
 
@@ -151,6 +151,8 @@ class Sharder:
 
     # -- pipeline ----------------------------------------------------------------------------------------
     def _release_unheld_layers(self) -> None:
+        """Keep the layers of this rank's chunks (virtual stages), the entry modules where the first virtual stage
+        is held (stand-ins elsewhere, and for this rank's other chunks), the exit and head where the last is."""
         policy, sm, model = self.policy, self.shard_config.pipeline_stage_manager, self.model
         release = getattr(policy, "release_unheld_layers", None)
         if release is not None:  # a policy with its own stage structure (encoder-decoder)
@@ -158,30 +160,46 @@ class Sharder:
             return
         prefix = policy.base_prefix
         base = model.base_model
-        start, end = sm.get_stage_index(policy.layers_per_stage())
+        ranges = sm.get_stage_index(policy.layers_per_stage(), num_model_chunks=sm.num_model_chunks)
+        ranges = [ranges] if sm.num_model_chunks == 1 else ranges
+        stages = sm.layout.stages_of(sm.stage)
+        last = sm.layout.num_stages - 1
         layers = policy.layer_list()
-        if not sm.is_first_stage():
-            for path, kind in policy.entry.items():
-                parent, name = get_submodule_parent(base, path)
-                if getattr(parent, name, None) is None:  # optional module this model does not have
-                    continue
-                replace_submodule(base, path, stand_in_for(kind, base.get_submodule(path)))
-        if not sm.is_last_stage():
+        stand_ins: Dict[str, nn.Module] = {}
+        for path, kind in policy.entry.items():
+            parent, name = get_submodule_parent(base, path)
+            if getattr(parent, name, None) is None:  # optional module this model does not have
+                continue
+            stand_ins[prefix + path] = stand_in_for(kind, base.get_submodule(path))
+        if 0 not in stages:  # the stand-ins for good
+            for path, module in stand_ins.items():
+                replace_submodule(model, path, module)
+        elif len(stages) > 1 and stand_ins:  # swapped in for the other chunks: registered, so .to() reaches them
+            model.pipeline_stand_ins = nn.ModuleDict({p.replace(".", "__"): m for p, m in stand_ins.items()})
+        if last not in stages:
             for path in policy.exit:
                 if getattr(*get_submodule_parent(base, path)) is not None:
                     replace_submodule(base, path, Released(prefix + path))
             for name in policy.head_modules():
                 setattr(model, name, Released(name))
-        exit_layer = layers[end - 1] if not sm.is_last_stage() else None
-        entry_layer = layers[start] if not sm.is_first_stage() else None
-        replace_submodule(model, prefix + policy.layers, held_layer_list(layers, start, end))
-        overrides = policy.stage_config_overrides(start, end)
-        if overrides:  # a stage-local config view for the base model's loop; the model's own config is untouched
-            base.config = copy.copy(base.config)
-            for key, value in overrides.items():
-                setattr(base.config, key, value)
-        if not (sm.is_first_stage() and sm.is_last_stage()):
-            self.stage_forward = StageForward(model, entry_layer, exit_layer)
+        held = held_layer_list(layers, [i for start, end in ranges for i in range(start, end)])
+        replace_submodule(model, prefix + policy.layers, held)
+        chunks = []
+        for stage, (start, end) in zip(stages, ranges):
+            overrides = policy.stage_config_overrides(start, end)
+            config = None
+            if overrides:  # a chunk-local config view for the base model's loop; the model's own is untouched
+                config = copy.copy(base.config)
+                for key, value in overrides.items():
+                    setattr(config, key, value)
+            first_here = stage == 0 or 0 not in stages
+            chunks.append(ChunkView(
+                layer_keys=None if len(ranges) == 1 else [str(i) for i in range(start, end)],
+                entry_layer=None if stage == 0 else layers[start],
+                modules={} if first_here else stand_ins,
+                exit_layer=None if stage == last else layers[end - 1], config=config))
+        if sm.layout.num_stages > 1:
+            self.stage_forward = StageForward(model, chunks, held, lambda: sm.model_chunk_id)
 
     # -- tensor parallel ---------------------------------------------------------------------------------
     def _tied_names(self) -> List[List[str]]:

@@ -10,11 +10,14 @@ which submodules exist.
   is not applied twice).
 - On a non-last stage a forward hook on its last layer ends the forward with that layer's output; the final norm
   and head are released.
+- A rank holding several chunks (interleaved, zero-bubble V) holds all their layers; each call runs the forward once
+  with only the current chunk's layers visible in the layer list, the real entry modules only for the first virtual
+  stage (stand-ins otherwise) and the exit only for the last one.
 """
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -64,11 +67,24 @@ class Released(nn.Module):
 
 class HeldLayers(nn.ModuleList):
     """The layers one stage holds, under their original indices: `layers[5]` and the state_dict key `layers.5.*`
-    mean the HF layer 5; iterating (or slicing, as the models' own loops do) yields the held layers in order."""
+    mean the HF layer 5; iterating (or slicing, as the models' own loops do) yields the held layers in order —
+    only those of the running chunk while `active` names them."""
+
+    active: Optional[Sequence[str]] = None
+
+    def _visible(self) -> List[nn.Module]:
+        keys = self._modules if self.active is None else self.active
+        return [self._modules[k] for k in keys]
+
+    def __iter__(self):
+        return iter(self._visible())
+
+    def __len__(self) -> int:
+        return len(self._visible())
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
-            return nn.ModuleList(list(self._modules.values())[idx])
+            return nn.ModuleList(self._visible()[idx])
         key = str(idx)
         if key not in self._modules:
             raise IndexError(f"Layer {idx} is held by another pipeline stage; this stage holds layers "
@@ -76,10 +92,10 @@ class HeldLayers(nn.ModuleList):
         return self._modules[key]
 
 
-def held_layer_list(layers: nn.ModuleList, start: int, end: int) -> HeldLayers:
-    """Layers [start, end) of `layers`, keeping their indices (and so their parameter names)."""
+def held_layer_list(layers: nn.ModuleList, indices: Sequence[int]) -> HeldLayers:
+    """Layers `indices` (ascending) of `layers`, keeping their indices (and so their parameter names)."""
     held = HeldLayers()
-    for i in range(start, end):
+    for i in indices:
         held.add_module(str(i), layers[i])
     return held
 
@@ -90,46 +106,76 @@ class _StageExit(Exception):
         self.output = output
 
 
-class StageForward:
-    """Calls the (stage-pruned) model: feeds received hidden states, stops after the stage's last layer."""
+class ChunkView(NamedTuple):
+    """How the model looks while one chunk (virtual stage) of this rank runs."""
+    layer_keys: Optional[Sequence[str]]  # its layers in the held list (None: all of them)
+    entry_layer: Optional[nn.Module]     # its first layer: the received hidden states replace its input (None on
+                                         # the first virtual stage)
+    modules: Dict[str, nn.Module]        # model-relative path -> module to put there for this chunk
+    exit_layer: Optional[nn.Module]      # ends the forward (None on the last virtual stage)
+    config: Any                          # the base model's config for this chunk (None: unchanged)
 
-    def __init__(self, model: nn.Module, entry_layer: Optional[nn.Module], exit_layer: Optional[nn.Module]) -> None:
-        self.model = model
-        self.takes_input = entry_layer is not None
+
+class StageForward:
+    """Calls the (stage-pruned) model: feeds received hidden states, stops after the stage's last layer.
+
+    Args:
+        model: the sharded HF model.
+        chunks: one view per chunk this rank holds.
+        layers: the held layer list.
+        chunk_id: returns the chunk to run (the stage manager's `model_chunk_id`; None means chunk 0).
+    """
+
+    def __init__(self, model: nn.Module, chunks: Sequence[ChunkView], layers: HeldLayers, chunk_id) -> None:
+        self.model, self.chunks, self.layers, self.chunk_id = model, list(chunks), layers, chunk_id
+        self._armed: Optional[nn.Module] = None
         self._value: Optional[torch.Tensor] = None
-        self._armed = False
         params = inspect.signature(model.forward).parameters
         self._extra = {"use_cache": False} if "use_cache" in params else {}
-        if exit_layer is not None:
-            exit_layer.register_forward_hook(self._exit_hook)
-        if entry_layer is not None:
-            entry_layer.register_forward_pre_hook(self._entry_hook, with_kwargs=True)
+        for view in self.chunks:
+            if view.exit_layer is not None:
+                view.exit_layer.register_forward_hook(self._exit_hook)
+            if view.entry_layer is not None:
+                view.entry_layer.register_forward_pre_hook(self._entry_hook, with_kwargs=True)
 
     def _entry_hook(self, module, args, kwargs):
         value, self._value = self._value, None
-        if value is None:  # not a stage call (or a recomputation): leave the arguments alone
-            return None
+        if value is None:  # not a stage call: leave the arguments alone (recomputation checkpoints `forward`, so it
+            return None    # replays the substituted input)
         if args:
             return (value, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": value}
 
     def _exit_hook(self, module, args, output):
-        if self._armed:  # disarmed during activation recomputation, which re-runs the layer in backward
-            self._armed = False
+        if self._armed is module:  # disarmed during activation recomputation, which re-runs the layer in backward
+            self._armed = None
             raise _StageExit(output[0] if isinstance(output, (tuple, list)) else output)
 
     def __call__(self, hidden_states: Optional[torch.Tensor] = None, **kwargs) -> Any:
-        if self.takes_input:
+        view = self.chunks[self.chunk_id() or 0]
+        if view.entry_layer is not None:
             if hidden_states is None:
                 raise ValueError("This pipeline stage needs the previous stage's `hidden_states`.")
             self._value = hidden_states
-        self._armed = True
+        restore = {path: self.model.get_submodule(path) for path in view.modules}
+        for path, module in view.modules.items():
+            replace_submodule(self.model, path, module)
+        base = self.model.base_model
+        config = base.config
+        if view.config is not None:
+            base.config = view.config
+        self.layers.active = view.layer_keys
+        self._armed = view.exit_layer
         try:
             return self.model(**kwargs, **self._extra)
         except _StageExit as done:
             return {"hidden_states": done.output}
         finally:
-            self._armed = False
+            self._armed = None
+            self.layers.active = None
+            base.config = config
+            for path, module in restore.items():
+                replace_submodule(self.model, path, module)
             self._value = None
 
 

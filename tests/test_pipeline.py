@@ -61,7 +61,7 @@ def _check_trace(out_dir: str):
     summary = plugin.write_trace(out_dir)
     if dist.get_rank() == 0:
         import json, os
-        assert 0 <= summary["measured_bubble"] < 1 and summary["theoretical_bubble"] == 0.2
+        assert 0 <= summary["measured_bubble"] < 1 and summary["theoretical_bubble"] == pytest.approx(0.2)
         trace = json.load(open(os.path.join(out_dir, "trace.json")))
         assert {e["tid"] for e in trace["traceEvents"]} == {0, 1}
         assert os.path.getsize(os.path.join(out_dir, "timeline.png")) > 0
@@ -120,17 +120,46 @@ def _two_ranks(tmp_dir: str):
     _check_bf16_keeps_fp32_master_weights("gpt2_lm")  # its position-embedding stand-in follows the dtype
     _check_trace(tmp_dir)
     _check_policy_reports_what_the_stage_holds()
+    _check_schedule_input_errors()
+    # several chunks per rank: interleaved (loop layout) and zero-bubble V (tied GPT-2 embedding and head on rank 0)
+    for style in MULTI_CHUNK:
+        for kind in ("gpt2_lm", "llama_lm"):
+            mu.check_training(kind, pp_size=2, num_microbatches=4, **style)
+        mu.check_evaluation("llama_lm", pp_size=2, num_microbatches=4, **style)
+    mu.check_training("gpt2_lm", layers=5, pp_size=2, microbatch_size=2, max_norm=0.05, **ZBV)  # uneven chunks
+    mu.check_training("llama_lm", layers=6, pp_size=2, num_microbatches=4, num_layers_per_stage=[1, 2, 2, 1],
+                      **INTERLEAVED)
+    _check_memory_promise(ZBV)
+    _check_auto_split()
 
 
-def _check_memory_promise():
-    """1F1B keeps at most pp_size microbatches of activations alive on the first stage (GPipe would keep all 8)."""
-    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=8)
+def _check_auto_split():
+    """num_layers_per_stage="auto": the last stage, which also runs the (big) LM head and loss, gets fewer layers;
+    training stays exact; a user-given list still wins."""
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=2, num_layers_per_stage="auto")
+    model, *_ = Booster(plugin=plugin).boost(mu.build("gpt2_lm", layers=5))
+    assert model.policy.layers_per_stage() == [3, 2]  # the even split is [2, 3]; the head costs ~1/4 layer here
+    mu.check_training("gpt2_lm", layers=5, pp_size=2, num_microbatches=4, num_layers_per_stage="auto")
+    with pytest.raises(ValueError, match="num_layers_per_stage must be a list, None or 'auto'"):
+        HybridParallelPlugin(pp_size=2, num_microbatches=2, num_layers_per_stage="even")
+
+
+INTERLEAVED = dict(pp_style="interleaved", num_model_chunks=2)
+ZBV = dict(pp_style="zbv", num_model_chunks=2)
+MULTI_CHUNK = (INTERLEAVED, ZBV)
+
+
+def _check_memory_promise(style=None):
+    """1F1B keeps at most pp_size microbatches of activations alive on the first stage (GPipe would keep all 8);
+    every schedule stays within the activations its generator promised (what the simulator checks)."""
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=8, **(style or {}))
     booster = Booster(plugin=plugin)
     model = mu.build("llama_lm")
     model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0))
     booster.execute_pipeline(iter([mu.make_batch("llama_lm", 8, 0)]), model, mu.criterion, opt)
-    expected = plugin.pp_size - plugin.stage_manager.stage
-    assert plugin.schedule.peak_inflight_microbatches == expected, plugin.schedule.peak_inflight_microbatches
+    promised = plugin.schedule._plan(8)[0].max_activations[plugin.stage_manager.stage]
+    expected = plugin.pp_size - plugin.stage_manager.stage if style is None else promised
+    assert plugin.schedule.peak_inflight_microbatches == expected <= promised, plugin.schedule.peak_inflight_microbatches
 
 
 def _check_policy_reports_what_the_stage_holds():
@@ -148,6 +177,22 @@ def _check_policy_reports_what_the_stage_holds():
     assert held == {id(m) for m in expected}
     assert [{s: id(p) for s, p in d.items()} for d in policy.get_shared_params()] == [{s: id(p) for s, p in shared.items()}]
     assert policy.shared_param_names() == [{0: "transformer.wte.weight", 1: "lm_head.weight"}]
+
+
+def _check_schedule_input_errors():
+    """Schedule choices that cannot work are refused on every rank before any collective (the general bad-input
+    table is tests/test_reliability.py)."""
+    with pytest.raises(ValueError, match="multiple of pp_size"):
+        HybridParallelPlugin(pp_size=2, num_microbatches=3, **INTERLEAVED)
+    with pytest.raises(ValueError, match="pp_style='zbv' needs num_model_chunks=2"):
+        HybridParallelPlugin(pp_size=2, num_microbatches=2, pp_style="zbv")
+    with pytest.raises(ValueError, match="Unknown pp_style 'gpipe'"):
+        HybridParallelPlugin(pp_size=2, num_microbatches=2, pp_style="gpipe")
+    with pytest.raises(ValueError, match="p2p_transport='p2p'"):
+        HybridParallelPlugin(pp_size=2, num_microbatches=2, p2p_transport="broadcast", **ZBV)
+    with pytest.raises(ValueError, match="Cannot split 3 layers over 4 virtual pipeline stages"):
+        Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2, **ZBV)).boost(mu.build("gpt2_lm", layers=3))
+    dist.barrier()  # nobody is stuck in a collective
 
 
 def test_pipeline_two_ranks(tmp_path):
@@ -169,6 +214,40 @@ def _check_dataloader_shards_over_dp_only():
     for seen in by_dp.values():
         assert torch.equal(seen[0], seen[1])
     assert sorted(torch.cat([by_dp[0][0], by_dp[1][0]]).tolist()) == list(range(16))
+
+
+def _check_pipeline_accumulation(kind: str, k: int = 2, **plugin_kwargs):
+    """k execute_pipeline calls, all but the last inside booster.no_sync, then one optimizer step: the same
+    gradients and parameters as one process on the k-times larger batch; no dp reduction starts before the last."""
+    plugin = HybridParallelPlugin(**plugin_kwargs)
+    booster = Booster(plugin=plugin)
+    reference = mu.build(kind)
+    model = mu.build(kind)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6))
+    dp, local, mb = plugin.dp_size, 4, 4 // plugin_kwargs["num_microbatches"]
+    calls = [mu.make_batch(kind, local * dp, seed=50 + c) for c in range(k)]
+    whole = {key: torch.cat([c[key] for c in calls]) for key in calls[0]}  # one process: all calls at once
+    replicas = [{key: torch.cat([c[key][r * local:(r + 1) * local] for c in calls]) for key in calls[0]}
+                for r in range(dp)]
+    torch.stack([mu.microbatch_mean_loss(reference, rep, mb) for rep in replicas]).mean().backward()
+    ref_opt.step()
+    scaled = lambda out, batch: mu.criterion(out, batch) / k  # noqa: E731  (the user's 1/k, as with any accumulation)
+    for c, batch in enumerate(calls):
+        mine = {key: v[plugin.dp_rank * local:(plugin.dp_rank + 1) * local] for key, v in batch.items()}
+        if c < k - 1:
+            with booster.no_sync(model, opt):
+                booster.execute_pipeline(iter([mine]), model, scaled, opt)
+            assert all(b.work is None for b in model._buckets), "a dp reduction started inside no_sync"
+            assert model.require_grad_sync
+        else:
+            booster.execute_pipeline(iter([mine]), model, scaled, opt)
+    opt.step()
+    tp_group = plugin.tp_group if plugin.tp_size > 1 else None
+    for name, p in model.unwrap().named_parameters():
+        ref = reference.get_parameter(name)
+        mu.assert_close(mu.gathered(p, p.grad, tp_group), ref.grad, f"accumulated grad of {name} ({whole['input_ids'].shape[0]} samples)")
+        mu.assert_close(mu.gathered(p, p.data, tp_group), ref.data, f"param {name} after AdamW")
 
 
 def _check_gradient_accumulation_with_no_sync():
@@ -239,6 +318,18 @@ def _four_ranks():
     mu.check_training("gpt2_lm", pp_size=4, num_microbatches=4, max_norm=0.05)
     mu.check_evaluation("gpt2_lm", pp_size=4, num_microbatches=4)
     mu.check_evaluation("llama_lm", pp_size=2, num_microbatches=2)
+    # gradient accumulation over pipeline steps, pp=2 x dp=2, every schedule
+    for style in ({}, *MULTI_CHUNK):
+        _check_pipeline_accumulation("gpt2_lm", pp_size=2, num_microbatches=2, **style)
+    # several chunks per rank: pp=4 (8 virtual stages), pp=2 x dp=2, tp=2 x pp=2
+    mu.check_training("llama_lm", layers=8, pp_size=4, num_microbatches=4, **INTERLEAVED)
+    mu.check_training("gpt2_lm", layers=8, pp_size=4, num_microbatches=4, **ZBV)
+    mu.check_evaluation("gpt2_lm", layers=8, pp_size=4, num_microbatches=4, **INTERLEAVED)
+    mu.check_evaluation("llama_lm", layers=8, pp_size=4, num_microbatches=4, **ZBV)
+    mu.check_training("gpt2_lm", pp_size=2, num_microbatches=2, **INTERLEAVED)  # dp=2
+    mu.check_training("llama_lm", pp_size=2, num_microbatches=2, **ZBV)  # dp=2
+    mu.check_training("llama_lm", tp_size=2, pp_size=2, num_microbatches=2, **INTERLEAVED)
+    mu.check_training("gpt2_lm", tp_size=2, pp_size=2, num_microbatches=2, **ZBV)
 
 
 def test_pipeline_four_ranks():
@@ -251,6 +342,10 @@ def _eight_ranks():
         mu.check_training(kind, pp_size=4, num_microbatches=4)
     mu.check_evaluation("llama_lm", pp_size=4, num_microbatches=4)
     eight_rank_memory_cases()  # ZeRO-1/2 at (tp, pp, dp) = (2, 2, 2), from test_memory.py
+    # tp=2 x pp=2 x dp=2: accumulation over pipeline steps (1f1b and zbv), multi-chunk training
+    _check_pipeline_accumulation("llama_lm", tp_size=2, pp_size=2, num_microbatches=2)
+    _check_pipeline_accumulation("gpt2_lm", tp_size=2, pp_size=2, num_microbatches=2, **ZBV)
+    mu.check_training("llama_lm", layers=8, pp_size=4, num_microbatches=4, **ZBV)  # dp=2
 
 
 def test_pipeline_eight_ranks():

@@ -14,7 +14,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from pipeline.stage_manager import StageCosts
+
 from ..stage import IDENTITY, INPUT, ZEROS  # noqa: F401  (re-exported for policies)
+
+EMBEDDING_COST = 0.25  # an embedding lookup (and its gradient) per parameter, relative to a matmul's
 
 
 # -- tensor-parallel styles (plans are data) ------------------------------------------------------------------
@@ -93,7 +97,7 @@ class Policy:
     # -- ColossalAI-style setters ---------------------------------------------------------------------------
     def set_model(self, model: nn.Module) -> None:
         self.model = model
-        self._num_layers = self._shared_names = None
+        self._num_layers = self._shared_names = self._split = None
 
     def set_pipeline_stage_manager(self, stage_manager) -> None:
         self.stage_manager = stage_manager
@@ -149,11 +153,28 @@ class Policy:
         return self._num_layers
 
     def layers_per_stage(self) -> List[int]:
-        return self.stage_manager.layers_per_virtual_stage(self.num_layers())
+        """Layers of each virtual stage; decided once, on the unsharded model (needed by num_layers_per_stage="auto")."""
+        if getattr(self, "_split", None) is None:
+            self._split = self.stage_manager.layers_per_virtual_stage(self.num_layers(), self.stage_costs)
+        return self._split
+
+    def stage_costs(self) -> StageCosts:
+        """Estimated compute for num_layers_per_stage="auto": a matmul's work grows with its parameters, so a layer
+        costs its parameter count, the last stage adds its exit modules and head (the LM head, even when tied, plus
+        its loss), the first its entry modules at EMBEDDING_COST per parameter (a lookup, and in backward a dense
+        gradient as large as the table)."""
+        base = self.model.base_model
+        count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+        layers = [float(count(layer)) for layer in self.layer_list()]
+        first = EMBEDDING_COST * sum(count(base.get_submodule(e)) for e in self.entry if _has(base, e))
+        last = sum(count(base.get_submodule(e)) for e in self.exit if _has(base, e) and base.get_submodule(e) is not None)
+        last += sum(count(m) for m in self.head_modules().values())
+        return StageCosts(layers, float(first), float(last))
 
     def stage_of_param(self, name: str) -> Optional[Tuple[int, ...]]:
-        """The pipeline stages that hold parameter `name` (model-relative), from this policy's split."""
-        n = self.stage_manager.num_stages
+        """The pipeline stages (ranks along the pipeline) that hold parameter `name` (model-relative)."""
+        sm = self.stage_manager
+        n, rank_of, last = sm.num_stages, sm.layout.rank_of, sm.layout.num_stages - 1
         prefix = self.base_prefix
         layers = prefix + self.layers + "."
         if name.startswith(layers):
@@ -161,19 +182,20 @@ class Policy:
             bounds = [0]
             for k in self.layers_per_stage():
                 bounds.append(bounds[-1] + k)
-            return (next(s for s in range(n) if bounds[s] <= index < bounds[s + 1]),)
+            return (rank_of(next(v for v in range(last + 1) if bounds[v] <= index < bounds[v + 1])),)
         if any(name.startswith(prefix + e + ".") for e in self.entry):
-            return (0,)
+            return (rank_of(0),)
         if any(name.startswith(prefix + e + ".") for e in self.exit) or not name.startswith(prefix):
-            return (n - 1,)
+            return (rank_of(last),)
         return tuple(range(n))  # used by every stage (rare): kept everywhere, gradients summed over stages
 
     def get_held_layers(self) -> List[nn.Module]:
-        """Modules (layers, entry, exit, head) held by this rank's stage."""
+        """Modules (layers, entry, exit, head) held by this rank's stage (all its chunks)."""
         sm = self.stage_manager
-        start, end = sm.get_stage_index(self.layers_per_stage())
+        ranges = sm.get_stage_index(self.layers_per_stage(), num_model_chunks=sm.num_model_chunks)
+        ranges = [ranges] if sm.num_model_chunks == 1 else ranges
         # by key, not position: after sharding the list keeps only this stage's layers, under their HF indices
-        held = [m for key, m in self.layer_list().named_children() if start <= int(key) < end]
+        held = [m for key, m in self.layer_list()._modules.items() if any(s <= int(key) < e for s, e in ranges)]
         base = self.model.base_model
         if sm.is_first_stage():
             held += [base.get_submodule(e) for e in self.entry if _has(base, e)]

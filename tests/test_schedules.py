@@ -1,0 +1,148 @@
+"""Schedules as data: every generated schedule, for many (p, v, m), passes the simulator (dependencies, matched
+first-in first-out transfers, no deadlock, activation memory within its promise) and has the bubble theory
+predicts; the simulator itself catches broken schedules; the I/W split backward equals the full backward."""
+import copy
+
+import pytest
+import torch
+
+from pipeline.actions import B, F, I, RECV_F, SEND_F, W, Action, add_communication
+from pipeline.layout import LOOP, V, StageLayout
+from pipeline.schedules import Schedule, forward_only, interleaved, make_schedule, one_f_one_b, zero_bubble_v
+from pipeline.simulator import ScheduleError, simulate
+from pipeline.split_backward import backward_input, backward_weight
+from pipeline.stage_manager import StageCosts, balanced_split
+
+SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in sorted({p, p + 1, 2 * p, 4 * p})]
+
+
+def test_layouts_place_virtual_stages():
+    loop, v = StageLayout(4, 2, LOOP), StageLayout(4, 2, V)
+    assert [loop.rank_of(s) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [v.rank_of(s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    for layout in (loop, v, StageLayout(3, 3, LOOP)):
+        for s in range(layout.num_stages):
+            assert layout.stage_of(layout.rank_of(s), layout.chunk_of(s)) == s
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_1f1b_is_valid_with_its_bubble_and_memory(p, m):
+    if m < p:
+        return
+    result = simulate(one_f_one_b(p, m))
+    assert result.bubble == pytest.approx((p - 1) / (m + p - 1))
+    assert result.peak_activations == [min(p - r, m) for r in range(p)]
+
+
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in SIZES if m % p == 0 and p > 1])
+def test_interleaved_is_valid_with_its_bubble(p, v, m):
+    schedule = interleaved(p, v, m)
+    result = simulate(schedule)
+    assert result.bubble == pytest.approx((p - 1) / (v * m + p - 1))  # v times smaller than 1F1B's
+    assert max(result.peak_activations) <= schedule.max_activations[0] == min((p - 1) * 2 + (v - 1) * p + 1, v * m)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in SIZES if m >= p and p > 1])
+def test_zero_bubble_v_is_valid_and_beats_1f1b(p, m):
+    schedule = zero_bubble_v(p, m)
+    for costs in ({F: 1, B: 3, I: 2, W: 1}, {F: 2, B: 3, I: 1, W: 2}):  # valid whatever the real costs
+        assert max(simulate(schedule, costs).peak_activations) <= 2 * p  # 1F1B's memory (p stages of 2 chunks)
+    result = simulate(schedule)  # the costs it was generated for: chunk F = I = W
+    assert result.makespan < simulate(one_f_one_b(p, m), {F: 2, B: 4}).makespan  # same model in 1F1B stages
+    assert result.bubble < 0.5 * (p - 1) / (m + p - 1)  # most of 1F1B's bubble is gone
+    assert sum(a.kind == W for actions in schedule.actions for a in actions) == 2 * p * m
+
+
+@pytest.mark.parametrize("style,v", [("1f1b", 1), ("interleaved", 2), ("zbv", 2)])
+def test_forward_only_schedules_are_valid(style, v):
+    for p, m in [(2, 4), (4, 4), (4, 8)]:
+        schedule = forward_only(make_schedule(style, p, v, m))
+        assert all(a.kind in (F, SEND_F, RECV_F) for actions in schedule.actions for a in actions)
+        simulate(schedule)
+
+
+def test_invalid_combinations_are_refused():
+    with pytest.raises(ValueError, match="num_microbatches >= pp_size"):
+        one_f_one_b(4, 3)
+    with pytest.raises(ValueError, match="multiple of pp_size"):
+        interleaved(4, 2, 6)
+    with pytest.raises(ValueError, match="needs num_model_chunks=2"):
+        make_schedule("zbv", 2, 3, 4)
+    with pytest.raises(ValueError, match="Unknown pp_style"):
+        make_schedule("gpipe", 2, 1, 4)
+
+
+def _broken(schedule: Schedule, rank: int, edit) -> Schedule:
+    actions = [list(a) for a in schedule.actions]
+    actions[rank] = edit(actions[rank])
+    return schedule._replace(actions=actions)
+
+
+def test_simulator_catches_broken_schedules():
+    good = one_f_one_b(2, 4)
+    swap = lambda a: [a[1], a[0], *a[2:]]  # noqa: E731  rank 1: forward before receiving its input
+    with pytest.raises(ScheduleError, match="neither computed on this rank nor received"):
+        simulate(_broken(good, 1, swap))
+    with pytest.raises(ScheduleError, match="deadlock"):  # rank 0 waits for a gradient before sending anything
+        simulate(_broken(good, 0, lambda a: [x for x in a if x.kind != "SEND_F"] + [a[1]]))
+    with pytest.raises(ScheduleError, match="first-in first-out"):  # receives out of the sender's order
+        recvs = [k for k, x in enumerate(good.actions[1]) if x.kind == RECV_F]
+        def reorder(a):
+            a = list(a)
+            a[recvs[0]], a[recvs[1]] = a[recvs[1]], a[recvs[0]]
+            return a
+        simulate(_broken(good, 1, reorder))
+    with pytest.raises(ScheduleError, match="misses its backward"):  # microbatch 3 never goes backward
+        simulate(_broken(_broken(good, 1, lambda a: a[:-2]), 0, lambda a: a[:-2]))
+    with pytest.raises(ScheduleError, match="promised"):
+        simulate(good._replace(max_activations=[1, 1]))
+    with pytest.raises(ScheduleError, match="computed twice"):
+        simulate(_broken(good, 1, lambda a: a + [Action(B, 1, 3)]))
+
+
+def test_receives_follow_the_senders_order():
+    """Rank 1 needs microbatch 1 before 0: it still takes them off the channel in the order rank 0 sent them."""
+    layout = StageLayout(2)
+    compute = [[Action(F, 0, 0), Action(F, 0, 1)], [Action(F, 1, 1), Action(F, 1, 0)]]
+    actions = add_communication(compute, layout)
+    assert actions[1][:3] == [Action(RECV_F, 1, 0), Action(RECV_F, 1, 1), Action(F, 1, 1)]
+    simulate(Schedule(layout, 2, actions, [0, 0]))
+
+
+def test_split_backward_equals_full_backward():
+    """I then W give the input and weight gradients of one backward; before W no weight has a gradient."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 8))
+    ref = copy.deepcopy(block)
+    x = torch.randn(4, 8)
+    grad = torch.randn(4, 8)
+    x_ref = x.clone().requires_grad_()
+    ref(x_ref).backward(grad)
+    x_in = x.clone().requires_grad_()
+    work = backward_input([block(x_in)], [grad], [x_in])
+    torch.testing.assert_close(x_in.grad, x_ref.grad)
+    assert all(p.grad is None for p in block.parameters()) and work.calls
+    backward_weight(work)
+    for p, q in zip(block.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    # a weight used twice in the stage: exact through the full-backward fallback
+    shared = torch.nn.Linear(8, 8)
+    x_in = x.clone().requires_grad_()
+    work = backward_input([shared(shared(x_in))], [grad], [x_in])
+    backward_weight(work)
+    w = shared.weight.detach().clone().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    torch.nn.functional.linear(torch.nn.functional.linear(x_ref, w, shared.bias.detach()), w, shared.bias.detach()).backward(grad)
+    torch.testing.assert_close(shared.weight.grad, w.grad)
+    torch.testing.assert_close(x_in.grad, x_ref.grad)
+
+
+def test_balanced_split_weighs_head_and_embeddings():
+    assert balanced_split(StageCosts([1.0] * 8, 0.0, 0.0), 4) == [2, 2, 2, 2]
+    assert balanced_split(StageCosts([1.0] * 8, 0.1, 2.0), 2) == [5, 3]  # the head is worth two layers
+    assert balanced_split(StageCosts([1.0] * 8, 2.0, 0.0), 2) == [3, 5]
+    assert balanced_split(StageCosts([1.0, 1.0, 4.0, 1.0], 0.0, 0.0), 3) == [2, 1, 1]
+    assert min(balanced_split(StageCosts([1.0] * 4, 0.0, 100.0), 4)) == 1  # every stage keeps a layer
+    with pytest.raises(ValueError, match="every stage needs a layer"):
+        balanced_split(StageCosts([1.0] * 3, 0.0, 0.0), 4)

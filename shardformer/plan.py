@@ -21,7 +21,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from torch import nn
 
 from .policies.auto_policy import SUPPORTED_MODELS
-from .policies.base import Colwise, ParallelStyle, Policy, Rowwise, VocabEmbedding, VocabHead, match
+from .policies.base import Colwise, ParallelStyle, Policy, Rowwise, VocabEmbedding, VocabHead, _has, match
 from .policies.derive import derive_entry_exit
 
 
@@ -190,13 +190,6 @@ def _first_layer_list(base: nn.Module) -> str:
         raise ValueError(f"{type(base).__name__} has no list of layers to hold as one pipeline stage.")
     return lists[0]
 
-
-def _has(model: nn.Module, path: str) -> bool:
-    try:
-        model.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
 
 
 class PlanPolicy(Policy):

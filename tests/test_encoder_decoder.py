@@ -99,7 +99,7 @@ class _Stage1Of2:
     """Stage 1 of 2 (a stage manager without processes), for a look inside one stage."""
     num_stages, stage, num_layers_per_stage = 2, 1, [1, 3]
 
-    def layers_per_virtual_stage(self, num_layers):
+    def layers_per_virtual_stage(self, num_layers, costs=None):
         return self.num_layers_per_stage
 
     def get_stage_index(self, layers_per_stage):

@@ -295,7 +295,7 @@ class HybridParallelPlugin:
         sharder = Sharder(model, policy, shard_config)
         shared_names = sharder.shard()
         apply_activation_checkpointing(model, list(policy.layer_list()), self.stage,
-                                       self._stage_manager.layers_per_virtual_stage(policy.num_layers()),
+                                       policy.layers_per_stage() if self.pp_size > 1 else [policy.num_layers()],
                                        self.gradient_checkpoint_config, rng_tracker)
         if self.precision in _DTYPES:
             model.to(_DTYPES[self.precision])

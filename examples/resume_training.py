@@ -103,6 +103,7 @@ def main() -> None:
             if dist.get_rank() == 0:
                 open(os.path.join(path, COMPLETE), "w").close()
     if dist.get_rank() == 0:
+        os.makedirs(args.ckpt_dir, exist_ok=True)
         with open(os.path.join(args.ckpt_dir, f"losses-attempt-{attempt}.json"), "w") as f:
             json.dump(losses, f)
 

@@ -108,7 +108,7 @@ def _compare(run, plugin_kwargs, steps=2, local_batch=8):
         out = booster.execute_pipeline(iter([batch]), other, mu.criterion, other_opt)
         other_opt.step()
         other_opt.zero_grad()
-        torch.testing.assert_close(losses[step], out["loss"], rtol=0, atol=0)
+        mu.assert_close(losses[step], out["loss"], f"step {step} loss: plan vs plugin path")
         ref_opt.zero_grad()
         ref_losses = [mu.microbatch_mean_loss(reference, {k: v[r * local_batch:(r + 1) * local_batch]
                                                           for k, v in globals_[step].items()}, mb) for r in range(dp)]
@@ -127,7 +127,9 @@ def _compare(run, plugin_kwargs, steps=2, local_batch=8):
     ref = dict(reference.named_parameters())
     tp_group = plugin.tp_group if plugin.tp_size > 1 else None
     for name, p in ours.items():
-        torch.testing.assert_close(p, theirs[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        # same math, but Llama's plugin policy is derived from transformers' plans (one input all-reduce per
+        # attention/MLP region) while this plan reduces per column layer: equal up to fp32 summation order
+        mu.assert_close(p, theirs[name], f"{name}: plan vs plugin path")
         mu.assert_close(mu.gathered(p, p.data, tp_group), ref[name].data, f"param {name}")
 
 

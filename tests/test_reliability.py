@@ -208,9 +208,14 @@ def _check_replicas_made_identical_over_tp():
 
 
 def _check_evaluation_outputs_in_train_mode():
-    """return_outputs=True gives what one process gives in train mode too: full, unpadded logits (here all negative,
-    so zero padding columns would win an argmax) and one loss for the step."""
-    reference = mu.build("gpt2_lm")
+    """return_outputs=True gives what one process gives in train mode too: full, unpadded logits (a vocabulary of 101,
+    all logits negative, so zero padding columns would win an argmax) and one loss for the step."""
+    from transformers import GPT2LMHeadModel
+
+    config = mu.gpt2_config()
+    config.vocab_size = 101  # no tp size divides it: the vocab-parallel head pads
+    torch.manual_seed(0)
+    reference = GPT2LMHeadModel(config)
     with torch.no_grad():  # logits = ones @ -|wte|: negative everywhere
         reference.transformer.ln_f.weight.zero_()
         reference.transformer.ln_f.bias.fill_(1.0)

@@ -1,7 +1,8 @@
 """Booster and HybridParallelPlugin: compose pipeline and shardformer for training."""
 from .activation_checkpoint import GradientCheckpointConfig
 from .booster import Booster
-from .parallel_module import HybridParallelModule, HybridParallelOptimizer
+from .optimizer import HybridParallelOptimizer
+from .parallel_module import HybridParallelModule
 from .plugin import HybridParallelPlugin
 
 __all__ = ["Booster", "HybridParallelPlugin", "HybridParallelModule", "HybridParallelOptimizer",

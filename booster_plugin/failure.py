@@ -14,6 +14,7 @@ they report the lost connection through the same path.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -57,9 +58,13 @@ class FailureGuard:
         self._failure: Optional[str] = None
         self._in_step = threading.Event()
         self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
         if self._store is not None:
-            threading.Thread(target=self._watch, args=(poll_seconds,), daemon=True,
-                             name="hybrid-parallel-failure-watchdog").start()
+            self._thread = threading.Thread(target=self._watch, args=(poll_seconds,), daemon=True,
+                                            name="hybrid-parallel-failure-watchdog")
+            self._thread.start()
+            # stop polling before the interpreter tears down: a daemon thread killed inside a store call aborts
+            atexit.register(self.close)
 
     @contextlib.contextmanager
     def step(self, what: str) -> Iterator[None]:
@@ -90,7 +95,10 @@ class FailureGuard:
                               f"with --max-restarts; resume from the last checkpoint).")
 
     def close(self) -> None:
+        """Stop the watchdog and wait for it (it leaves any store call within one poll)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     # -- internals -------------------------------------------------------------------------------------------
     def _publish(self, text: str) -> None:

@@ -24,7 +24,8 @@ from .batch_check import BatchLimits, agree_on_batch, label_vocab_of, vocab_of
 from .colossal_args import check_unacted_args
 from .failure import FailureGuard
 from .mixed_precision import DynamicLossScaler, LossScalerConfig
-from .parallel_module import HybridParallelModule, HybridParallelOptimizer
+from .optimizer import HybridParallelOptimizer
+from .parallel_module import HybridParallelModule
 from .zero import ZeroOptimizer, check_zero_optimizer
 
 DP_AXIS, PP_AXIS, TP_AXIS = 0, 1, 2

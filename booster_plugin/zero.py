@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .parallel_module import GradBucket, HybridParallelOptimizer
+from .optimizer import HybridParallelOptimizer
+from .parallel_module import GradBucket
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                           torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)

@@ -32,6 +32,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
         errors.put((rank, traceback.format_exc()))
         os._exit(1)
     finally:
+        from booster_plugin.failure import FailureGuard
+        if FailureGuard._shared is not None:  # its watchdog polls the group's store: stop it first
+            FailureGuard._shared.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

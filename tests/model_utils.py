@@ -7,7 +7,6 @@ import os
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from transformers import (OPTConfig, OPTForCausalLM, BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel, GPT2Config,
                           GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model, LlamaConfig, LlamaForCausalLM,
                           LlamaForSequenceClassification, LlamaModel)

@@ -1,6 +1,5 @@
 """A model without a built-in policy (OPT) is parallelized by a user-written Policy of a dozen declarative lines,
 and trains exactly like the unsharded model under tp, pp and both."""
-from booster_plugin import Booster, HybridParallelPlugin
 from shardformer.policies import Colwise, Policy, Rowwise, VocabEmbedding, VocabHead
 from shardformer.policies.base import IDENTITY, INPUT, ZEROS
 from tests import model_utils as mu

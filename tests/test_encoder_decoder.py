@@ -4,7 +4,6 @@ the unsharded model under tp × dp, generate the same greedy tokens with tp=2, a
 (`four_ranks` runs in tests/test_seeds.py, one process group for all three files.)"""
 import copy
 
-import pytest
 import torch
 import torch.distributed as dist
 from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration

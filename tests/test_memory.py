@@ -1,9 +1,7 @@
 """Memory and precision options against the unsharded model: ZeRO-1/2 (exact, fp32), fp16 with dynamic loss
 scaling and bf16 (mixed-precision tolerance), a forced overflow skipped on every rank, activation checkpointing
 (equal to no checkpointing), checkpoints across zero stages, and refusals of what cannot work."""
-import copy
 import os
-import tempfile
 
 import pytest
 import torch

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..parallel_module import HybridParallelOptimizer
+from ..optimizer import HybridParallelOptimizer
 from . import atomic
 from . import format as fmt
 from . import model as model_ckpt

@@ -19,7 +19,8 @@ from torch import nn
 
 from shardformer.layer.spec import TPSpec, get_tp_spec, shard_tensor, unshard
 
-from ..parallel_module import HybridParallelModule, HybridParallelOptimizer
+from ..optimizer import HybridParallelOptimizer
+from ..parallel_module import HybridParallelModule
 from . import atomic
 from . import format as fmt
 from .jobs import SaveJob

@@ -5,6 +5,7 @@ LazyInitContext, get_accelerator, `stage_manager is None` branching, ColossalAI'
 speed-only ones). Only the import block differs; the original lines are kept as comments.
 
     torchrun --nproc_per_node=8 examples/colossalai_port.py --tp 2 --pp 2      # tp=2 x pp=2 x dp=2
+    torchrun --nproc_per_node=8 examples/colossalai_port.py --tp 2 --pp 2 --precision fp16 --zero-stage 1
 """
 import argparse
 from typing import List, Optional
@@ -38,11 +39,11 @@ def make_batches(steps: int, batch_size: int, seq: int, vocab: int, seed: int = 
 
 
 def train(tp: int, pp: int, steps: int = 3, init_from: Optional[str] = None, save_to: Optional[str] = None,
-          config: Optional[GPT2Config] = None) -> List[float]:
+          config: Optional[GPT2Config] = None, precision: str = "fp32", zero_stage: int = 0) -> List[float]:
     colossalai.launch_from_torch(seed=42)
     coordinator = DistCoordinator()
-    plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=None, microbatch_size=1, zero_stage=0,
-                                  precision="fp32", initial_scale=1, enable_all_optimization=True,
+    plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=None, microbatch_size=1, zero_stage=zero_stage,
+                                  precision=precision, initial_scale=2 ** 8, enable_all_optimization=True,
                                   enable_flash_attention=True, overlap_communication=True, find_unused_parameters=False,
                                   max_norm=1.0)
     booster = Booster(plugin=plugin)
@@ -76,8 +77,11 @@ def train(tp: int, pp: int, steps: int = 3, init_from: Optional[str] = None, sav
         optimizer.zero_grad()
         losses.append(loss.item())  # the step's loss is on every rank
         coordinator.print_on_master(f"step {step} loss {loss.item():.4f} grad norm {optimizer.get_grad_norm():.4f}")
-    if save_to is not None:
-        booster.save_model(model, save_to, shard=True)
+    if save_to is not None:  # written in the background while the script goes on
+        booster.save_model(model, f"{save_to}/model", shard=True, use_async=True)
+        booster.save_optimizer(optimizer, f"{save_to}/optimizer", shard=True, use_async=True)
+        booster.checkpoint_io._sync_d2h()
+        booster.checkpoint_io._sync_io()
         coordinator.block_all()
     return losses
 
@@ -88,5 +92,7 @@ if __name__ == "__main__":
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--save-to", default=None)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--zero-stage", type=int, default=0)
     args = parser.parse_args()
-    train(args.tp, args.pp, args.steps, save_to=args.save_to)
+    train(args.tp, args.pp, args.steps, save_to=args.save_to, precision=args.precision, zero_stage=args.zero_stage)

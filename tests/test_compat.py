@@ -57,19 +57,22 @@ def _check_design_card_line():
 
 def _check_ported_colossalai_script(tmp_dir: str):
     """examples/colossalai_port.py (a ColossalAI script with only its imports changed) on tp=2 x pp=2 x dp=2, from a
-    pretrained checkpoint, gives one process's losses (AdamW, clipping, an LR schedule)."""
+    pretrained checkpoint, gives one process's losses (AdamW, clipping, an LR schedule); its asynchronous checkpoint
+    loads with from_pretrained and equals one process's parameters. The same script with fp16 and ZeRO-1 follows
+    the fp32 losses within mixed-precision tolerance."""
     from transformers import GPT2LMHeadModel
 
     from examples import colossalai_port as script
 
     config = mu.gpt2_config()
-    init = os.path.join(tmp_dir, "pretrained")
+    init, saved = os.path.join(tmp_dir, "pretrained"), os.path.join(tmp_dir, "trained")
     torch.manual_seed(3)
     reference = GPT2LMHeadModel(config)
     if dist.get_rank() == 0:
         reference.save_pretrained(init)
     dist.barrier()
-    losses = script.train(tp=2, pp=2, steps=3, init_from=init, config=config)
+    losses = script.train(tp=2, pp=2, steps=3, init_from=init, config=config, save_to=saved)
+    fp16_losses = script.train(tp=2, pp=2, steps=3, init_from=init, config=config, precision="fp16", zero_stage=1)
 
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-6)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
@@ -84,6 +87,13 @@ def _check_ported_colossalai_script(tmp_dir: str):
         opt.step()
         sched.step()
         assert abs(losses[step] - expected) < 1e-5, (step, losses[step], expected)
+        assert abs(fp16_losses[step] - expected) < 2e-2, ("fp16 + ZeRO-1", step, fp16_losses[step], expected)
+    assert fp16_losses != losses, "the fp16 run computed in fp32"
+    if dist.get_rank() == 0:
+        loaded = GPT2LMHeadModel.from_pretrained(os.path.join(saved, "model"))
+        for name, p in reference.named_parameters():
+            mu.assert_close(loaded.get_parameter(name).data, p.data, f"async checkpoint {name}")
+    dist.barrier()
 
 
 def _eight_ranks(tmp_dir: str):

@@ -57,6 +57,13 @@ class HybridParallelCheckpointIO:
         rank if one failed (its checkpoint was not swapped in; the previous one is intact)."""
         jobs.synchronize(self.device)
 
+    def _sync_d2h(self) -> None:
+        """ColossalAI's name for "device-to-host copies done": ours are done before an async save returns."""
+
+    def _sync_io(self) -> None:
+        """ColossalAI's name for waiting on background writes: `synchronize`."""
+        self.synchronize()
+
     def finish(self, job: jobs.SaveJob, use_async: bool) -> None:
         jobs.finish(job, use_async, self.device)
 

@@ -289,6 +289,11 @@ def case_cross_entropy(group) -> None:
         loss.backward()
         expected = F.pad(full.grad, (0, padded - vocab))[..., rank * per:(rank + 1) * per]
         assert_close(local.grad, expected, **LOSS_TOL)
+    # the backward turns the saved softmax into the gradient in place: a second backward is refused, not wrong
+    loss = vocab_parallel_cross_entropy(local, target, group, rank * per, vocab_size=vocab)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward pass"):
+        loss.backward()
 
 
 def case_causal_lm_loss(group) -> None:

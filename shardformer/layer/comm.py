@@ -34,8 +34,8 @@ def get_tp_rank(group: ProcessGroup | None) -> int:
 
 
 def _all_reduce(x: Tensor, group: ProcessGroup | None) -> Tensor:
-    # Reduce a copy: the input may be shared with other autograd branches.
-    out = x.clone(memory_format=torch.contiguous_format)
+    """Sum over the group, in place when `x` is contiguous (callers pass tensors no one else holds)."""
+    out = x.contiguous()
     dist.all_reduce(out, group=group)
     return out
 
@@ -65,7 +65,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_reduce(grad, ctx.group), None
+        # A copy: autograd may hand the same gradient tensor to other branches (e.g. through a view or an add).
+        return _all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -73,7 +74,11 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: ProcessGroup | None) -> Tensor:
-        return _all_reduce(x, group)
+        # in place when possible: x is a fresh partial result (a row-parallel matmul's output) that only this op reads
+        out = _all_reduce(x, group)
+        if out is x:
+            ctx.mark_dirty(x)
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):

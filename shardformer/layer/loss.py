@@ -53,13 +53,16 @@ class _VocabParallelCE(torch.autograd.Function):
 
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
         ctx.save_for_backward(exp, local_target, owned, valid)
-        ctx.in_dtype = logits.dtype
+        ctx.in_dtype, ctx.used = logits.dtype, False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        softmax, local_target, owned, valid = ctx.saved_tensors
-        grad = softmax.clone()
+        if ctx.used:
+            raise RuntimeError("The vocab-parallel cross-entropy computes its gradient in its saved softmax, so it "
+                               "supports one backward pass; compute the loss again instead of retain_graph=True.")
+        ctx.used = True
+        grad, local_target, owned, valid = ctx.saved_tensors  # the softmax, turned into the gradient in place
         rows = torch.arange(grad.size(0), device=grad.device)
         grad[rows, local_target] -= owned.to(grad.dtype)
         # where, not a product: a mean over zero targets has an infinite grad_loss, whose ignored rows get 0 (torch)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import functools
 
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .comm import get_tp_rank, get_tp_world_size, reduce_from_tp
+from .comm import get_tp_rank, get_tp_world_size
 
 __all__ = ["sum_grads_over_tp", "keep_own_head"]
 
@@ -16,8 +17,16 @@ __all__ = ["sum_grads_over_tp", "keep_own_head"]
 def sum_grads_over_tp(module: nn.Module, group: ProcessGroup | None) -> None:
     """Each use's gradient of the module's parameters is summed over the group before it is accumulated (so the
     per-microbatch sums add up): for replicated parameters that see only this rank's part of a split activation."""
+    if get_tp_world_size(group) == 1:
+        return
     for p in module.parameters():
-        p.register_hook(functools.partial(reduce_from_tp, group=group))
+        p.register_hook(functools.partial(_summed, group=group))
+
+
+def _summed(grad: Tensor, group: ProcessGroup) -> Tensor:
+    out = grad.clone()  # the hook's gradient may be shared with other uses; return a new one
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def _narrow(start: int, size: int, module: nn.Module, args, out: Tensor) -> Tensor:

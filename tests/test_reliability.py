@@ -302,7 +302,7 @@ def _collective_on_one_rank(tmp_dir: str):
 
 
 def test_collective_call_on_one_rank_fails_within_timeout(tmp_path):
-    run_distributed(2, _collective_on_one_rank, str(tmp_path), timeout=120)
+    run_distributed(2, _collective_on_one_rank, str(tmp_path), timeout=120, fresh=True)
 
 
 FAILING_STEP = """

@@ -1,11 +1,12 @@
 """Sequence parallelism over the tp group, on an unmodified transformers model (applied by the Sharder).
 
-Between the first decoder layer's input and the last decoder layer's output the hidden states are split along the
+From the first decoder layer's input to the last decoder layer's output (or the final norm's, when the model's
+first exit module is a norm: its parameters are per-feature vectors) the hidden states are split along the
 sequence over the tp ranks; everything before (embeddings, rotary tables, masks, positions, all computed by the
-model's own forward on the full sequence) and after (final norm, head, loss) is as with tensor parallelism alone.
-A forward pre-hook on the first layer keeps this rank's chunk (its gradient is all-gathered back) and a forward
-hook on the last layer gathers the chunks (its gradient is split); with pipeline parallelism the stages in between
-send and receive the shard. Modes:
+model's own forward on the full sequence) and after (head, loss) is as with tensor parallelism alone. A forward
+pre-hook on the first layer keeps this rank's chunk (its gradient is all-gathered back) and a forward hook on the
+last split module gathers the chunks (its gradient is split); with pipeline parallelism the stages in between send
+and receive the shard. Modes:
 
 - "split_gather" (Megatron-LM): weights split as with tp alone. Each column-parallel layer (or its tp region, e.g.
   the attention) all-gathers its input along the sequence and keeps only the shard for backward; each row-parallel
@@ -27,7 +28,7 @@ from __future__ import annotations
 import copy
 import sys
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -39,8 +40,8 @@ from .layer.spec import get_tp_spec
 from .layer.replicated import sum_grad_over_tp
 from .policies.base import Colwise, KVHeads, Policy, Rowwise, SplitParam
 
-__all__ = ["SEQUENCE_PARALLEL_MODES", "SEQUENCE_DIM", "resolve_mode", "check_sequence_parallelism", "inside_layers",
-           "apply_sequence_parallelism"]
+__all__ = ["SEQUENCE_PARALLEL_MODES", "SEQUENCE_DIM", "SequenceSpan", "resolve_mode", "check_sequence_parallelism",
+           "inside_layers", "sequence_span", "apply_sequence_parallelism"]
 
 SEQUENCE_PARALLEL_MODES = ("split_gather", "all_to_all")
 SEQUENCE_DIM = 1  # hidden states are (batch, sequence, hidden) in the models' layers
@@ -117,28 +118,53 @@ def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: 
                              f"that divides {style.num_heads}, or sequence_parallelism_mode='split_gather'.")
 
 
-def apply_sequence_parallelism(model: nn.Module, policy: Policy, layers: Sequence[nn.Module], mode: str,
+class SequenceSpan(NamedTuple):
+    """Where the sequence is split: from `first`'s input to `last`'s output; `norm` is the final norm inside the span
+    (None when the span ends with the last layer)."""
+    first: nn.Module
+    last: nn.Module
+    norm: Optional[nn.Module]
+
+
+def sequence_span(policy: Policy) -> SequenceSpan:
+    """The span of the unsharded model (call before the pipeline releases modules): the layers, and the first exit
+    module too when it is a norm (parameters all 1-D: a LayerNorm/RMSNorm), which acts on each token alone."""
+    layers = policy.layer_list()
+    base = policy.model.base_model
+    norm = None
+    if policy.exit:
+        try:
+            module = base.get_submodule(policy.exit[0])
+        except AttributeError:
+            module = None
+        params = list(module.parameters()) if module is not None else []
+        if params and all(p.dim() == 1 for p in params):
+            norm = module
+    return SequenceSpan(layers[0], norm if norm is not None else layers[len(layers) - 1], norm)
+
+
+def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceSpan, mode: str,
                                group: ProcessGroup) -> None:
-    """Split the sequence over `group` between the first and the last of `layers` (all of the model's layers, held
-    here or not), on a model already sharded for tp; see the module docstring.
+    """Split the sequence over `group` in `span`, on a model already sharded for tp; see the module docstring.
 
     Args:
         model: the sharded model (this stage's layers only).
         policy: its policy (`layers`, `base_prefix`).
-        layers: the unsharded layer list's modules, in order (hooks go on the first and last where held).
+        span: from `sequence_span` on the unsharded model (hooks act where this stage holds the modules).
         mode: "split_gather" or "all_to_all".
         group: the tp group.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     held: List[nn.Module] = list(policy.layer_list())
-    layers[0].register_forward_pre_hook(_SplitSequence(group, world, rank), with_kwargs=True)
-    layers[-1].register_forward_hook(_GatherSequence(group))
+    span.first.register_forward_pre_hook(_SplitSequence(group, world, rank), with_kwargs=True)
+    span.last.register_forward_hook(_GatherSequence(group))
     prefix = policy.base_prefix + policy.layers + "."
     for path, module in model.named_modules():
         if path.startswith(prefix) and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.sequence_dim = SEQUENCE_DIM
-    for layer in held:  # replicated parameters now see this rank's part of the sequence only
-        for p in layer.parameters():
+    norm = [span.norm] if any(m is span.norm for m in model.modules()) else []  # (the last stage holds it)
+    for module in held + norm:  # replicated parameters now see this rank's part of the sequence only
+        for p in module.parameters():
             if get_tp_spec(p) is None:
                 sum_grad_over_tp(p, group)
     if mode == "all_to_all":
@@ -168,7 +194,7 @@ class _SplitSequence:
 
 
 class _GatherSequence:
-    """Forward hook of the last layer: the full sequence again (training mode)."""
+    """Forward hook of the span's last module: the full sequence again (training mode)."""
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group

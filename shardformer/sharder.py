@@ -12,7 +12,9 @@ from torch import nn
 
 from .layer.replicated import sum_grad_over_tp
 from .layer.spec import TPSpec, get_tp_spec, shard_parameter
-from .sequence_parallel import SEQUENCE_DIM, apply_sequence_parallelism, check_sequence_parallelism, inside_layers
+from .regions import enter_tp_regions_once
+from .sequence_parallel import (SEQUENCE_DIM, apply_sequence_parallelism, check_sequence_parallelism, inside_layers,
+                                sequence_span)
 from .policies.base import (Colwise, GradAllReduce, HeadEmbedding, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
                             VocabHead, match)
 from .stage import (ChunkView, Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
@@ -62,7 +64,7 @@ class Sharder:
         mode = self.shard_config.sp_mode
         if mode is not None:
             check_sequence_parallelism(self.policy, mode, self.model.config, self.shard_config.tp_size)
-        all_layers = list(self.policy.layer_list())  # before this stage keeps its own
+        span = sequence_span(self.policy) if mode is not None else None  # before this stage keeps its own modules
         tied = self._tied_names()
         shared = self.policy.shared_param_names() if self.shard_config.pipeline_stage_manager else []
         if self.shard_config.pipeline_stage_manager is not None:
@@ -70,11 +72,12 @@ class Sharder:
         if self.shard_config.tp_size > 1:
             self._replace_modules()
             self._retie(tied)
-            self._enter_tp_regions_once()
+            enter_tp_regions_once(self.model, self.policy, self.shard_config.tensor_parallel_process_group,
+                                  SEQUENCE_DIM if mode == "split_gather" else None)
             self._change_attributes()
             self._use_local_rng()
             if mode is not None:
-                apply_sequence_parallelism(self.model, self.policy, all_layers, mode,
+                apply_sequence_parallelism(self.model, self.policy, span, mode,
                                            self.shard_config.tensor_parallel_process_group)
         return shared
 
@@ -311,23 +314,6 @@ class Sharder:
                     parent, attr = get_submodule_parent(self.model, name)
                     setattr(parent, attr, source)
 
-    def _enter_tp_regions_once(self) -> None:
-        """One copy_to_tp at the input of a region (e.g. attention) instead of one per column layer inside it; a
-        column layer whose input is not exactly the region's copied input still copies its own. With split_gather
-        sequence parallelism the region all-gathers its sequence shard once instead."""
-        from .layer import ColumnParallelLinear
-
-        group, prefix = self.shard_config.tensor_parallel_process_group, self.policy.base_prefix
-        sequence_dim = SEQUENCE_DIM if self.shard_config.sp_mode == "split_gather" else None
-        for path, region in self.model.named_modules():
-            rel = path[len(prefix):] if path.startswith(prefix) else None
-            if rel is None or not any(match(p, rel) for p in self.policy.tp_input_regions):
-                continue
-            columns = [m for m in region.modules() if isinstance(m, ColumnParallelLinear)]
-            if columns:
-                region.register_forward_pre_hook(_RegionEntry(columns, group, sequence_dim), with_kwargs=True)
-                region.register_forward_hook(_RegionExit(columns))
-
     def _change_attributes(self) -> None:
         tp, prefix = self.shard_config.tp_size, self.policy.base_prefix
         for path, module in self.model.named_modules():
@@ -362,42 +348,6 @@ class Sharder:
                 wrap_module_forward_in_local_rng(module, tracker)
             elif any(match(p, rel) for p in self.policy.shared_rng_modules):
                 wrap_module_forward_in_shared_rng(module, tracker)
-
-
-class _RegionEntry:
-    """Forward pre-hook: copy the region's input to the tp region once and tell its column layers (with
-    `sequence_dim`, in training mode: all-gather the sequence shard once, and tell them the shard too)."""
-
-    def __init__(self, columns, group, sequence_dim: Optional[int]) -> None:
-        self.columns, self.group, self.sequence_dim = columns, group, sequence_dim
-
-    def __call__(self, module, args, kwargs):
-        key = None if args else ("hidden_states" if "hidden_states" in kwargs else next(iter(kwargs)))
-        x = args[0] if args else kwargs[key]
-        shard = None
-        if self.sequence_dim is not None and module.training:
-            from .layer import SequenceShard, gather_from_sequence
-            shard = (x, SequenceShard(self.sequence_dim, self.group))
-            copied = gather_from_sequence(x, self.sequence_dim, self.group)
-        else:
-            from .layer import copy_to_tp
-            copied = copy_to_tp(x, self.group)
-        for column in self.columns:
-            column.copied_input, column.copied_shard = copied, shard
-        if args:
-            return (copied, *args[1:]), kwargs
-        return args, {**kwargs, key: copied}
-
-
-class _RegionExit:
-    """Forward hook: forget the region's copied input (no reference kept past the region's forward)."""
-
-    def __init__(self, columns) -> None:
-        self.columns = columns
-
-    def __call__(self, module, args, output):
-        for column in self.columns:
-            column.copied_input = column.copied_shard = None
 
 
 class _ParallelCausalLMLoss:

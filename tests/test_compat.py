@@ -173,8 +173,15 @@ def _check_companions():
     with LazyInitContext():
         lazy = mu.MODELS["llama_lm"]()
     assert all(p.is_meta for p in lazy.parameters())
-    model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(lazy)
+    model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2, enable_sequence_parallelism=True)).boost(lazy)
     assert not any(p.is_meta for p in model.parameters())
+    # the materialized replicated norms keep their gradient sum over tp (they see half of the sequence each)
+    model.train()
+    model(**mu.make_batch("llama_lm", 2, 0)).loss.backward()
+    grad = model.unwrap().model.layers[0].input_layernorm.weight.grad
+    parts = [torch.empty_like(grad) for _ in range(2)]
+    dist.all_gather(parts, grad)
+    assert torch.equal(parts[0], parts[1])
 
 
 def _two_ranks():

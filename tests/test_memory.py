@@ -213,6 +213,10 @@ def test_two_ranks(tmp_path):
 
 def _two_rank_cases(directory: str):
     _check_checkpoint_across_zero_stages(directory)
+    # saved with all_to_all sequence parallelism (replicated layers), resumed with split_gather (tp-split layers)
+    sp = dict(tp_size=2, enable_sequence_parallelism=True)
+    mu.check_training("llama_lm", sequence_parallelism_mode="all_to_all", save_to=f"{directory}/sp", **sp)
+    mu.check_training("llama_lm", steps=4, resume_from=(f"{directory}/sp", 2), **sp)
     _refusals()
     _zero_cases()
     _mixed_precision_cases()

@@ -113,6 +113,11 @@ def _check_every_colossalai_argument_is_accepted():
         assert mine == []
     with pytest.raises(NotImplementedError, match="sp_size=2"):
         HybridParallelPlugin(tp_size=2, pp_size=1, sp_size=2)
+    with warnings.catch_warnings(record=True) as caught:  # as in ColossalAI: a mode alone is ignored
+        warnings.simplefilter("always")
+        assert HybridParallelPlugin(tp_size=2, sequence_parallelism_mode="all_to_all").sp_mode is None
+    mine = [str(w.message) for w in caught if "is ignored without enable_sequence_parallelism" in str(w.message)]
+    assert len(mine) == (1 if dist.get_rank() == 0 else 0), mine
     dist.barrier()
 
 

@@ -2,7 +2,10 @@
 
 Model: Llama hidden 512, 8 layers, 8 heads (8 kv), ffn 1536, vocab 8192 (untied), seq 128, global batch 8, fp32,
 AdamW. Layouts (tp, pp, dp): (1,1,1), (2,1,1), (1,2,1), (2,2,1), (1,1,2); pp layouts use 1F1B with m=4
-microbatches; dp ranks get 8/dp samples each (as prepare_dataloader would). (1,1,1) also runs with m=4 gradient
+microbatches; dp ranks get 8/dp samples each (as prepare_dataloader would). (2,1,1) and (2,2,1) also run with
+sequence parallelism (enable_sequence_parallelism=True, sequence_parallelism_mode "split_gather" and "all_to_all";
+all_to_all replicates the decoder layers' weights over tp by design, so only its activations are held to the
+ideal). (1,1,1) also runs with m=4 gradient
 accumulation (pp_size=1, num_microbatches=4: one microbatch at a time), the reference for pipelined activations.
 HybridParallelPlugin uses the whole world, so there is one torchrun per world size (1, 2, 4).
 
@@ -49,10 +52,13 @@ NAME = "bench_memory"
 MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
              intermediate_size=1536, vocab_size=8192)
 SEQ, BATCH, M = 128, 8, 4
-# world size -> [(label, tp, pp, dp, num_microbatches)]
-LAYOUTS = {1: [("(1,1,1)", 1, 1, 1, None), ("(1,1,1) m=4 accumulation", 1, 1, 1, M)],
-           2: [("(2,1,1)", 2, 1, 1, None), ("(1,2,1) m=4", 1, 2, 1, M), ("(1,1,2)", 1, 1, 2, None)],
-           4: [("(2,2,1) m=4", 2, 2, 1, M)]}
+# world size -> [(label, tp, pp, dp, num_microbatches, sequence_parallelism_mode)]
+LAYOUTS = {1: [("(1,1,1)", 1, 1, 1, None, None), ("(1,1,1) m=4 accumulation", 1, 1, 1, M, None)],
+           2: [("(2,1,1)", 2, 1, 1, None, None), ("(1,2,1) m=4", 1, 2, 1, M, None), ("(1,1,2)", 1, 1, 2, None, None),
+               ("(2,1,1) sp split_gather", 2, 1, 1, None, "split_gather"),
+               ("(2,1,1) sp all_to_all", 2, 1, 1, None, "all_to_all")],
+           4: [("(2,2,1) m=4", 2, 2, 1, M, None), ("(2,2,1) m=4 sp split_gather", 2, 2, 1, M, "split_gather"),
+               ("(2,2,1) m=4 sp all_to_all", 2, 2, 1, M, "all_to_all")]}
 ZERO_ROWS = [f"(1,1,2) bf16 zero_stage={s}" for s in (0, 1, 2)]
 CKPT_ROWS = ["(1,1,1) activation checkpointing off", "(1,1,1) activation checkpointing on"]
 EXTRA_ROWS = {1: CKPT_ROWS, 2: ZERO_ROWS}
@@ -119,9 +125,10 @@ def _bytes(tensors) -> int:
     return total
 
 
-def measure(label, tp, pp, dp, m, reference, batch):
+def measure(label, tp, pp, dp, m, sp, reference, batch):
     from booster_plugin import Booster, HybridParallelPlugin
-    plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=m)
+    plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=m, enable_sequence_parallelism=sp is not None,
+                                  sequence_parallelism_mode=sp)
     assert plugin.dp_size == dp, (label, plugin.dp_size)
     booster = Booster(plugin=plugin)
     model, opt = C.boost_copy(booster, reference)
@@ -218,10 +225,10 @@ def worker(out_path: str) -> None:
     reference = C.build_llama(seed=0, max_position_embeddings=SEQ, **MODEL)
     batch = C.make_batches(1, batch=BATCH, seq=SEQ, vocab=MODEL["vocab_size"])[0]
     results = {}
-    for label, tp, pp, dp, m in LAYOUTS[world]:
+    for label, tp, pp, dp, m, sp in LAYOUTS[world]:
         t0 = time.perf_counter()
-        local = measure(label, tp, pp, dp, m, reference, batch)
-        results[label] = {"tp": tp, "pp": pp, "dp": dp, "microbatches": m or 1, "world": world,
+        local = measure(label, tp, pp, dp, m, sp, reference, batch)
+        results[label] = {"tp": tp, "pp": pp, "dp": dp, "microbatches": m or 1, "world": world, "sp": sp,
                           "per_rank": C.gather_per_rank(local), "seconds": time.perf_counter() - t0}
         if rank == 0:
             print(f"[world {world}] {label}: {results[label]['seconds']:.0f} s", flush=True)
@@ -257,6 +264,21 @@ def report_extras(res) -> list:
     return off
 
 
+def report_sequence_parallelism(res) -> None:
+    """Activation bytes per rank with sequence parallelism against tp alone and the ideal 1/(tp*pp) (target <= 1.05x
+    ideal); call after report() has put the ideals in."""
+    rows = []
+    for base in ("(2,1,1)", "(2,2,1) m=4"):
+        for i, pr in enumerate(res[base]["per_rank"]):
+            ideal = pr["ideal"]["activations_peak"]
+            cells = [f"{res[label]['per_rank'][i]['activations_peak'] / MiB:.1f} "
+                     f"({res[label]['per_rank'][i]['activations_peak'] / ideal:.3f})"
+                     for label in (base, f"{base} sp split_gather", f"{base} sp all_to_all")]
+            rows.append([base, f"r{i} s{pr['stage']} t{pr['tp_rank']}", f"{ideal / MiB:.1f}", *cells])
+    print("\nSequence parallelism: activation MiB per rank (x ideal 1/(tp*pp) of the unsharded; target <= 1.05)")
+    print(C.table(["layout", "rank", "ideal", "tp only", "sp split_gather", "sp all_to_all"], rows))
+
+
 def report(res, t_start: float) -> None:
     extras = {k: res.pop(k) for k in ZERO_ROWS + CKPT_ROWS}
     ref = res["(1,1,1)"]["per_rank"][0]
@@ -284,7 +306,9 @@ def report(res, t_start: float) -> None:
                          f"{pr['activations_peak'] / ref['activations_peak']:.3f}",
                          f"{total / MiB:.1f} ({total / ideal_total:.2f})",
                          f"{total / (ref['params'] + ref['grads'] + ref['optimizer'] + ref['activations_peak']):.3f}"])
-            for k in ("params", "grads", "optimizer", "activations_peak"):
+            held_to_ideal = ("activations_peak",) if r.get("sp") == "all_to_all" else (  # replicated layer weights
+                "params", "grads", "optimizer", "activations_peak")
+            for k in held_to_ideal:
                 if pr[k] > 1.05 * pr["ideal"][k] and not label.startswith("(1,1,1)"):
                     excess.append(f"{label} rank {i} (stage {pr['stage']}): {k} {pr[k] / MiB:.1f} MiB = "
                                   f"{pr[k] / pr['ideal'][k]:.2f} x ideal {pr['ideal'][k] / MiB:.1f} MiB")
@@ -298,20 +322,24 @@ def report(res, t_start: float) -> None:
     print("MiB (measured / ideal); activations = peak of saved-for-backward tensors; ideal as in the file header")
     print(C.table(["layout (tp,pp,dp)", "rank", "params", "grads", "optimizer", "activations / ideal",
                    "act / unsharded", "total (x ideal)", "total / unsharded"], rows))
+    report_sequence_parallelism(res)
     excess += report_extras(extras)
     print("\nAbove ideal by more than 5% (ZeRO: off 1/dp by more than 0.01): " + ("none" if not excess else ""))
     for e in excess:
         print("  - " + e)
     # which activations tensor parallelism does not split: saved bytes by module, unsharded vs tp=2 (per rank)
-    a, b = res["(1,1,1)"]["per_rank"][0]["saved_bytes_by_module"], res["(2,1,1)"]["per_rank"][0]["saved_bytes_by_module"]
-    kinds = sorted(set(a) | set(b), key=lambda k: -a.get(k, 0))
-    rows = [[k, f"{a.get(k, 0) / MiB:.1f}", f"{b.get(k, 0) / MiB:.1f}",
-             f"{b.get(k, 0) / a[k]:.2f}" if a.get(k) else "-"] for k in kinds if a.get(k, 0) + b.get(k, 0) >= MiB / 2]
-    rows.append(["total", f"{sum(a.values()) / MiB:.1f}", f"{sum(b.values()) / MiB:.1f}",
-                 f"{sum(b.values()) / sum(a.values()):.2f}"])
+    labels = ["(1,1,1)", "(2,1,1)", "(2,1,1) sp split_gather", "(2,1,1) sp all_to_all"]
+    by = [res[label]["per_rank"][0]["saved_bytes_by_module"] for label in labels]
+    a = by[0]
+    kinds = sorted(set().union(*by), key=lambda k: -a.get(k, 0))
+    ratio = lambda b, k: f"{b.get(k, 0) / a[k]:.2f}" if a.get(k) else "-"  # noqa: E731
+    rows = [[k, f"{a.get(k, 0) / MiB:.1f}", *[f"{b.get(k, 0) / MiB:.1f} ({ratio(b, k)})" for b in by[1:]]]
+            for k in kinds if sum(b.get(k, 0) for b in by) >= MiB / 2]
+    rows.append(["total", f"{sum(a.values()) / MiB:.1f}",
+                 *[f"{sum(b.values()) / MiB:.1f} ({sum(b.values()) / sum(a.values()):.2f})" for b in by[1:]]])
     print("\nSaved-for-backward bytes by the module that saved them (first save of a storage; all layers summed; "
-          "'*' = any layer): unsharded vs tp=2 rank 0; ratio 0.50 = split, 1.00 = replicated")
-    print(C.table(["module", "(1,1,1) MiB", "(2,1,1) MiB", "ratio"], rows))
+          "'*' = any layer): unsharded vs tp=2 rank 0 (ratio 0.50 = split, 1.00 = replicated)")
+    print(C.table(["module", *[f"{label} MiB" for label in labels]], rows))
     out = {"benchmark": NAME, "model": {**MODEL, "seq": SEQ, "global_batch": BATCH, "dtype": "fp32",
                                         "optimizer": "AdamW", "tie_word_embeddings": False, "microbatches_with_pp": M},
            "method": "saved_tensors_hooks: peak live bytes of saved-for-backward storages (params excluded)",

@@ -17,14 +17,16 @@ import torch.distributed as dist
 __all__ = ["BatchLimits", "agree_on_batch", "vocab_of", "label_vocab_of"]
 
 _SHAPE_SLOTS = 24
-OK, BAD_ID, BAD_LABEL, BAD_SPLIT = 0, 1, 2, 3
+OK, BAD_ID, BAD_LABEL, BAD_SPLIT, BAD_LENGTH = 0, 1, 2, 3, 4
 
 
 class BatchLimits(NamedTuple):
-    """What the model accepts: token ids in [0, vocab), labels in [0, label_vocab) or ignore_index (LM heads only)."""
+    """What the model accepts: token ids in [0, vocab), labels in [0, label_vocab) or ignore_index (LM heads only),
+    sequence lengths that are multiples of `sequence_multiple` (sequence parallelism: the tp size)."""
     vocab: Optional[int]
     label_vocab: Optional[int]
     ignore_index: int = -100
+    sequence_multiple: int = 1
 
 
 def _first_outside(t: Any, bound: Optional[int], ignore: Optional[int] = None) -> Optional[int]:
@@ -50,6 +52,9 @@ def _describe(batch: Any, limits: BatchLimits, split: Callable[[Any], int]) -> t
     bad = _first_outside(batch.get("input_ids"), limits.vocab)
     if bad is not None:
         return BAD_ID, bad, m, shapes, None
+    tokens = next((batch[k] for k in ("input_ids", "inputs_embeds") if isinstance(batch.get(k), torch.Tensor)), None)
+    if tokens is not None and tokens.dim() > 1 and tokens.shape[1] % limits.sequence_multiple:
+        return BAD_LENGTH, tokens.shape[1], m, shapes, None
     labels = batch.get("labels")
     ids = batch.get("input_ids")
     if isinstance(labels, torch.Tensor) and isinstance(ids, torch.Tensor) and labels.shape == ids.shape:
@@ -88,6 +93,11 @@ def agree_on_batch(batch: Any, limits: BatchLimits, split: Callable[[Any], int],
         if c == BAD_LABEL:
             raise IndexError(f"Label {v} {where} is out of bounds: labels must lie in [0, {limits.label_vocab}) or "
                              f"equal ignore_index={limits.ignore_index}.")
+        if c == BAD_LENGTH:
+            n = limits.sequence_multiple
+            raise ValueError(f"Sequence length {v} {where} is not divisible by tp_size={n}: "
+                             f"enable_sequence_parallelism splits the sequence over the tp ranks; pad the batches to "
+                             f"a multiple of {n} (e.g. the tokenizer's pad_to_multiple_of={n}).")
         raise ValueError(f"The batch {where} cannot be split into microbatches (that rank raised the reason); every "
                          f"replica's batch must split (see num_microbatches / microbatch_size).")
     mine_row = rows[dist.get_rank()]

@@ -49,10 +49,6 @@ UNACTED_ARGS: Dict[str, Unacted] = {
     "gradient_as_bucket_view": Unacted(False, False, ""),
     "static_graph": Unacted(False, False, ""),
     # not implemented and result-changing: refused when asked for
-    "sp_size": Unacted(None, True, "sequence parallelism over its own group of sp_size ranks is not implemented; "
-                                   "leave sp_size unset"),
-    "sequence_parallelism_mode": Unacted(None, True, "sequence parallelism is not implemented; leave "
-                                                     "sequence_parallelism_mode unset"),
     "scheduler_nodes": Unacted(None, True, "custom zero-bubble schedule nodes are not implemented; leave "
                                            "scheduler_nodes unset"),
 }

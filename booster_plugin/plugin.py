@@ -17,6 +17,7 @@ from pipeline.schedule import split_batch
 from pipeline.schedules import layout_for, make_schedule
 from shardformer.parallelformers import as_policy
 from shardformer.policies import Policy, get_autopolicy
+from shardformer.sequence_parallel import SEQUENCE_PARALLEL_MODES, resolve_mode
 from shardformer.sharder import ShardConfig, Sharder
 
 from .activation_checkpoint import GradientCheckpointConfig, apply_activation_checkpointing
@@ -114,6 +115,11 @@ class HybridParallelPlugin:
         num_layers_per_stage: the layer split, e.g. [3, 5]; default: even, remainder to the middle stages.
         parallel_output: keep the LM head's logits vocab-sharded in training (vocab-parallel loss).
         make_vocab_size_divisible_by: vocabulary padding multiple per tp rank.
+        enable_sequence_parallelism, sequence_parallelism_mode: split the sequence over the tp group between the
+            first and last decoder layer (needs tp_size > 1 and sequence lengths divisible by it; training mode only):
+            "split_gather" (default; Megatron-LM: weights tensor-split, all-gather into and reduce-scatter out of the
+            attention/MLP) or "all_to_all" (DeepSpeed-Ulysses: decoder-layer weights replicated over the tp group,
+            heads exchanged for sequence around attention). `sp_size` (ColossalAI's separate group): unset or 1.
         enable_metadata_cache: send P2P shapes only when they change.
         ddp_bucket_cap_mb: size of the data-parallel gradient buckets.
         p2p_transport: "p2p" (batched isend/irecv) or "broadcast".
@@ -134,6 +140,7 @@ class HybridParallelPlugin:
                  max_norm: float = 0.0, custom_policy: Optional[Policy] = None,
                  num_layers_per_stage: Optional[Sequence[int]] = None, pp_style: str = "1f1b",
                  num_model_chunks: int = 1, enable_sequence_parallelism: bool = False,
+                 sequence_parallelism_mode: Optional[str] = None, sp_size: Optional[int] = None,
                  parallel_output: bool = True, make_vocab_size_divisible_by: int = 64,
                  enable_metadata_cache: bool = True, ddp_bucket_cap_mb: float = 25, p2p_transport: str = "p2p",
                  seed: int = 1024, trace: Optional[bool] = None,
@@ -172,8 +179,8 @@ class HybridParallelPlugin:
         layout = layout_for(pp_style, pp_size, num_model_chunks)  # pp_style "1f1b", "interleaved" or "zbv"
         if pp_style != "1f1b" and (pp_size == 1 or p2p_transport != "p2p"):
             raise ValueError(f"pp_style={pp_style!r} needs pp_size > 1 and p2p_transport='p2p'.")
-        if enable_sequence_parallelism:
-            raise NotImplementedError("Sequence parallelism is not implemented; use enable_sequence_parallelism=False.")
+        self.sp_mode = resolve_mode(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size,
+                                    dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0")))
         if max_norm < 0:
             raise ValueError(f"max_norm={max_norm} must be >= 0 (0 turns clipping off).")
         if ddp_bucket_cap_mb <= 0:
@@ -195,7 +202,8 @@ class HybridParallelPlugin:
         _agree_on_layout(tp_size=tp_size, pp_size=pp_size, num_microbatches=num_microbatches or 0,
                          microbatch_size=microbatch_size or 0, zero_stage=zero_stage,
                          precision=_SUPPORTED_PRECISIONS.index(precision), check_batches=int(check_batches),
-                         num_model_chunks=num_model_chunks)
+                         num_model_chunks=num_model_chunks,
+                         sequence_parallelism_mode=(None, *SEQUENCE_PARALLEL_MODES).index(self.sp_mode))
         self.failure_guard = FailureGuard.shared()
         world = dist.get_world_size()
         if world % (tp_size * pp_size):
@@ -282,7 +290,8 @@ class HybridParallelPlugin:
         policy = self.custom_policy if self.custom_policy is not None else get_autopolicy(model)
         # the unsharded layout (names, shapes, dtypes, holding stages), for checkpoints in HF format
         full_params = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
-        batch_limits = BatchLimits(vocab_of(model), label_vocab_of(model))
+        batch_limits = BatchLimits(vocab_of(model), label_vocab_of(model),
+                                   sequence_multiple=self.tp_size if self.sp_mode else 1)
         rng_tracker = None
         if self.tp_size > 1:
             from shardformer.layer.dropout import TPRNGTracker
@@ -292,7 +301,8 @@ class HybridParallelPlugin:
             tensor_parallel_process_group=self.tp_group if self.tp_size > 1 else None,
             pipeline_stage_manager=self.stage_manager,
             parallel_output=self.parallel_output, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
-            rng_tracker=rng_tracker)
+            rng_tracker=rng_tracker, enable_sequence_parallelism=self.sp_mode is not None,
+            sequence_parallelism_mode=self.sp_mode)
         sharder = Sharder(model, policy, shard_config)
         shared_names = sharder.shard()
         apply_activation_checkpointing(model, list(policy.layer_list()), self.stage,

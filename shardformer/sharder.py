@@ -10,7 +10,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .layer.replicated import sum_grad_over_tp
 from .layer.spec import TPSpec, get_tp_spec, shard_parameter
+from .regions import enter_tp_regions_once
+from .sequence_parallel import (SEQUENCE_DIM, apply_sequence_parallelism, check_sequence_parallelism, inside_layers,
+                                sequence_span)
 from .policies.base import (Colwise, GradAllReduce, HeadEmbedding, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
                             VocabHead, match)
 from .stage import (ChunkView, Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
@@ -19,17 +23,28 @@ from .stage import (ChunkView, Released, StageForward, get_submodule_parent, hel
 
 @dataclass
 class ShardConfig:
-    """How to shard: the tp group (None = no TP), the pipeline stage manager (None = no PP) and TP options."""
+    """How to shard: the tp group (None = no TP), the pipeline stage manager (None = no PP) and TP options;
+    `enable_sequence_parallelism` splits the sequence over the tp group (`sequence_parallelism_mode`
+    "split_gather", the default, or "all_to_all"; see sequence_parallel.py)."""
     tensor_parallel_process_group: Optional[dist.ProcessGroup] = None
     pipeline_stage_manager: Optional[object] = None
     parallel_output: bool = True
     make_vocab_size_divisible_by: int = 64
     rng_tracker: Optional[object] = None
+    enable_sequence_parallelism: bool = False
+    sequence_parallelism_mode: Optional[str] = None
 
     @property
     def tp_size(self) -> int:
         group = self.tensor_parallel_process_group
         return 1 if group is None else dist.get_world_size(group)
+
+    @property
+    def sp_mode(self) -> Optional[str]:
+        """The sequence parallelism mode in effect, None without it."""
+        if not self.enable_sequence_parallelism:
+            return None
+        return self.sequence_parallelism_mode or "split_gather"
 
 
 class Sharder:
@@ -46,6 +61,10 @@ class Sharder:
         """Shard in place; returns the shared parameters as [{stage: parameter name on that stage}]."""
         self.policy.check_paths()
         self.policy.check_tp(self.model.config, self.shard_config.tp_size)
+        mode = self.shard_config.sp_mode
+        if mode is not None:
+            check_sequence_parallelism(self.policy, mode, self.model.config, self.shard_config.tp_size)
+        span = sequence_span(self.policy) if mode is not None else None  # before this stage keeps its own modules
         tied = self._tied_names()
         shared = self.policy.shared_param_names() if self.shard_config.pipeline_stage_manager else []
         if self.shard_config.pipeline_stage_manager is not None:
@@ -53,9 +72,13 @@ class Sharder:
         if self.shard_config.tp_size > 1:
             self._replace_modules()
             self._retie(tied)
-            self._enter_tp_regions_once()
+            enter_tp_regions_once(self.model, self.policy, self.shard_config.tensor_parallel_process_group,
+                                  SEQUENCE_DIM if mode == "split_gather" else None)
             self._change_attributes()
             self._use_local_rng()
+            if mode is not None:
+                apply_sequence_parallelism(self.model, self.policy, span, mode,
+                                           self.shard_config.tensor_parallel_process_group)
         return shared
 
     # -- lazy initialization -----------------------------------------------------------------------------
@@ -83,7 +106,10 @@ class Sharder:
                         data = torch.empty(t.shape, dtype=t.dtype, device=device)
                         if isinstance(t, nn.Parameter):
                             new = nn.Parameter(data, requires_grad=t.requires_grad)
-                            new.__dict__.update({k: v for k, v in t.__dict__.items() if k != "_is_hf_initialized"})
+                            new.__dict__.update({k: v for k, v in t.__dict__.items()
+                                                 if k not in ("_is_hf_initialized", "_grad_summed_over_tp")})
+                            if getattr(t, "_grad_summed_over_tp", False):  # its gradient hook stays with `t`
+                                sum_grad_over_tp(new, self.shard_config.tensor_parallel_process_group)
                         else:
                             new = data
                         new_of[id(t)] = new
@@ -208,9 +234,15 @@ class Sharder:
             by_id.setdefault(id(p), []).append(name)
         return [names for names in by_id.values() if len(names) > 1]
 
+    def _replicated_layers(self, rel: str) -> bool:
+        """all_to_all sequence parallelism keeps the layers' weights whole: no tp style or attribute inside them."""
+        return self.shard_config.sp_mode == "all_to_all" and inside_layers(self.policy, rel)
+
     def _style_of(self, path: str):
         prefix = self.policy.base_prefix
         if path.startswith(prefix):
+            if self._replicated_layers(path[len(prefix):]):
+                return None
             for pattern, style in self.policy.tp_plan.items():
                 if match(pattern, path[len(prefix):]):
                     return style
@@ -282,25 +314,10 @@ class Sharder:
                     parent, attr = get_submodule_parent(self.model, name)
                     setattr(parent, attr, source)
 
-    def _enter_tp_regions_once(self) -> None:
-        """One copy_to_tp at the input of a region (e.g. attention) instead of one per column layer inside it; a
-        column layer whose input is not exactly the region's copied input still copies its own."""
-        from .layer import ColumnParallelLinear, copy_to_tp
-
-        group, prefix = self.shard_config.tensor_parallel_process_group, self.policy.base_prefix
-        for path, region in self.model.named_modules():
-            rel = path[len(prefix):] if path.startswith(prefix) else None
-            if rel is None or not any(match(p, rel) for p in self.policy.tp_input_regions):
-                continue
-            columns = [m for m in region.modules() if isinstance(m, ColumnParallelLinear)]
-            if columns:
-                region.register_forward_pre_hook(_RegionEntry(columns, group, copy_to_tp), with_kwargs=True)
-                region.register_forward_hook(_RegionExit(columns))
-
     def _change_attributes(self) -> None:
         tp, prefix = self.shard_config.tp_size, self.policy.base_prefix
         for path, module in self.model.named_modules():
-            if not path.startswith(prefix):
+            if not path.startswith(prefix) or self._replicated_layers(path[len(prefix):]):
                 continue
             for pattern, attrs in self.policy.tp_attributes.items():
                 if match(pattern, path[len(prefix):]):
@@ -318,6 +335,10 @@ class Sharder:
             return
         from .layer.dropout import wrap_module_forward_in_local_rng, wrap_module_forward_in_shared_rng
 
+        if self.shard_config.sp_mode is not None:  # every activation inside a layer is split: per-rank masks
+            for layer in self.policy.layer_list():
+                wrap_module_forward_in_local_rng(layer, tracker)
+            return
         prefix = self.policy.base_prefix
         for path, module in self.model.named_modules():
             rel = path[len(prefix):] if path.startswith(prefix) else None
@@ -327,36 +348,6 @@ class Sharder:
                 wrap_module_forward_in_local_rng(module, tracker)
             elif any(match(p, rel) for p in self.policy.shared_rng_modules):
                 wrap_module_forward_in_shared_rng(module, tracker)
-
-
-class _RegionEntry:
-    """Forward pre-hook: copy the region's input to the tp region once and tell its column layers."""
-
-    def __init__(self, columns, group, copy_to_tp) -> None:
-        self.columns, self.group, self.copy_to_tp = columns, group, copy_to_tp
-
-    def __call__(self, module, args, kwargs):
-        if args:
-            copied = self.copy_to_tp(args[0], self.group)
-            args = (copied, *args[1:])
-        else:
-            key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
-            copied = self.copy_to_tp(kwargs[key], self.group)
-            kwargs = {**kwargs, key: copied}
-        for column in self.columns:
-            column.copied_input = copied
-        return args, kwargs
-
-
-class _RegionExit:
-    """Forward hook: forget the region's copied input (no reference kept past the region's forward)."""
-
-    def __init__(self, columns) -> None:
-        self.columns = columns
-
-    def __call__(self, module, args, output):
-        for column in self.columns:
-            column.copied_input = None
 
 
 class _ParallelCausalLMLoss:

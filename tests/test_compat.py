@@ -123,6 +123,11 @@ def _check_every_colossalai_argument_is_accepted():
         assert mine == []
     with pytest.raises(NotImplementedError, match="sp_size=2"):
         HybridParallelPlugin(tp_size=2, pp_size=1, sp_size=2)
+    with warnings.catch_warnings(record=True) as caught:  # as in ColossalAI: a mode alone is ignored
+        warnings.simplefilter("always")
+        assert HybridParallelPlugin(tp_size=2, sequence_parallelism_mode="all_to_all").sp_mode is None
+    mine = [str(w.message) for w in caught if "is ignored without enable_sequence_parallelism" in str(w.message)]
+    assert len(mine) == (1 if dist.get_rank() == 0 else 0), mine
     dist.barrier()
 
 
@@ -183,8 +188,15 @@ def _check_companions():
     with LazyInitContext():
         lazy = mu.MODELS["llama_lm"]()
     assert all(p.is_meta for p in lazy.parameters())
-    model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(lazy)
+    model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2, enable_sequence_parallelism=True)).boost(lazy)
     assert not any(p.is_meta for p in model.parameters())
+    # the materialized replicated norms keep their gradient sum over tp (they see half of the sequence each)
+    model.train()
+    model(**mu.make_batch("llama_lm", 2, 0)).loss.backward()
+    grad = model.unwrap().model.layers[0].input_layernorm.weight.grad
+    parts = [torch.empty_like(grad) for _ in range(2)]
+    dist.all_gather(parts, grad)
+    assert torch.equal(parts[0], parts[1])
 
 
 def _two_ranks():

@@ -1,6 +1,7 @@
 """Memory and precision options against the unsharded model: ZeRO-1/2 (exact, fp32), fp16 with dynamic loss
 scaling and bf16 (mixed-precision tolerance), a forced overflow skipped on every rank, activation checkpointing
-(equal to no checkpointing), checkpoints across zero stages, and refusals of what cannot work."""
+(equal to no checkpointing, also with sequence parallelism), checkpoints across zero stages, and refusals of what
+cannot work. (Sequence parallelism against the unsharded model: tests/test_tensor_parallel.py.)"""
 import os
 
 import pytest
@@ -163,6 +164,8 @@ def check_activation_checkpointing(kind: str, config: GradientCheckpointConfig, 
 
 def _activation_checkpointing_cases():
     check_activation_checkpointing("gpt2_lm", GradientCheckpointConfig(), 4, tp_size=2)
+    # sequence parallelism: dropout on the sequence shard draws per-rank masks, recomputed identically
+    check_activation_checkpointing("gpt2_lm", GradientCheckpointConfig(), 4, tp_size=2, enable_sequence_parallelism=True)
     # exact against the unsharded model too (no dropout), with ZeRO-2 and clipping
     mu.check_training("llama_lm", zero_stage=2, max_norm=0.05,
                       gradient_checkpoint_config=GradientCheckpointConfig(gradient_checkpointing_ratio=0.5))
@@ -210,6 +213,10 @@ def test_two_ranks(tmp_path):
 
 def _two_rank_cases(directory: str):
     _check_checkpoint_across_zero_stages(directory)
+    # saved with all_to_all sequence parallelism (replicated layers), resumed with split_gather (tp-split layers)
+    sp = dict(tp_size=2, enable_sequence_parallelism=True)
+    mu.check_training("llama_lm", sequence_parallelism_mode="all_to_all", save_to=f"{directory}/sp", **sp)
+    mu.check_training("llama_lm", steps=4, resume_from=(f"{directory}/sp", 2), **sp)
     _refusals()
     _zero_cases()
     _mixed_precision_cases()
@@ -237,6 +244,9 @@ def _four_rank_cases(directory: str):
                                    num_microbatches=2)
     check_activation_checkpointing("gpt2_lm", config, [1, 2][dist.get_rank() // 2], tp_size=2, pp_size=2,
                                    num_microbatches=2)
+    check_activation_checkpointing("llama_lm", config, [1, 2][dist.get_rank() // 2], tp_size=2, pp_size=2,
+                                   num_microbatches=2, enable_sequence_parallelism=True,
+                                   sequence_parallelism_mode="all_to_all")
 
 
 def test_four_ranks(tmp_path):

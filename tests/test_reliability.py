@@ -35,9 +35,13 @@ CONFIG_CASES = [
     (dict(pp_style="gpipe"), ValueError, "Unknown pp_style 'gpipe'; use one of"),
     (dict(pp_size=2, num_microbatches=3, pp_style="interleaved", num_model_chunks=2), ValueError,
      "interleaved schedule needs num_microbatches to be a multiple of pp_size"),
-    (dict(enable_sequence_parallelism=True), NotImplementedError, "enable_sequence_parallelism"),
-    (dict(sp_size=2), NotImplementedError, "sp_size=2: sequence parallelism"),
-    (dict(sequence_parallelism_mode="all_to_all"), NotImplementedError, "sequence_parallelism_mode='all_to_all'"),
+    (dict(enable_sequence_parallelism=True), ValueError,
+     "enable_sequence_parallelism=True \\(sequence_parallelism_mode='split_gather'\\) splits the sequence over the tp "
+     "group, but tp_size=1"),
+    (dict(tp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="ring"), NotImplementedError,
+     "sequence_parallelism_mode='ring' is not supported; use 'split_gather'"),
+    (dict(sp_size=2), NotImplementedError, "sp_size=2: sequence parallelism over a group of its own is not implemented"),
+    (dict(tp_size=2, sp_size=4, enable_sequence_parallelism=True), NotImplementedError, "use tp_size=4 with"),
     (dict(scheduler_nodes=[object()]), NotImplementedError, "scheduler_nodes"),
     (dict(max_norm=-1.0), ValueError, "max_norm=-1.0 must be >= 0"),
     (dict(p2p_transport="nccl"), ValueError, "p2p_transport='nccl': use 'p2p' or 'broadcast'"),
@@ -81,6 +85,25 @@ def _gpt2_heads(n_head):
     return GPT2LMHeadModel(config)
 
 
+def _t5():
+    from tests.test_encoder_decoder import t5_config
+    from transformers import T5ForConditionalGeneration
+    return T5ForConditionalGeneration(t5_config())
+
+
+def _llama_kv_heads(kv_heads):
+    config = mu.llama_config()
+    config.num_key_value_heads = kv_heads
+    from transformers import LlamaForCausalLM
+    return LlamaForCausalLM(config)
+
+
+def _forward(plugin_kwargs, batch, kind="llama_lm"):
+    model, *_ = _boost(plugin_kwargs, mu.build(kind))
+    model.train()
+    return model(**batch)
+
+
 class _WrongPathPolicy(Policy):
     layers = "decoder.layers"  # an OPT path on GPT-2
 
@@ -102,6 +125,11 @@ BOOST_CASES = [
      "created with different settings on different ranks \\(tp_size: rank 0 has 1, rank 1 has 2\\)"),
     (lambda: _boost(dict(pp_size=2, num_microbatches=2, custom_policy=_WrongPathPolicy()), mu.build("gpt2_lm")),
      ValueError, "_WrongPathPolicy.layers names 'decoder.layers', which GPT2Model .* has \\['wte', 'wpe'"),
+    (lambda: _boost(dict(tp_size=2, enable_sequence_parallelism=True), _t5()), NotImplementedError,
+     "enable_sequence_parallelism: T5ForConditionalGeneration is an encoder-decoder model"),
+    (lambda: _boost(dict(tp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all"),
+                    _llama_kv_heads(1)), ValueError,
+     "'all_to_all' splits the key/value heads over tp ranks, but LlamaForCausalLM has 1 key/value heads for tp_size=2"),
 ]
 
 
@@ -153,6 +181,13 @@ STEP_CASES = [
      ValueError, "Batch size 3 is not divisible|batch on rank 1 \\(data-parallel replica 1\\) cannot be split"),
     (lambda: _step(dict(tp_size=2, num_microbatches=2), _with(GOOD, "labels", (0, 1), 10 ** 6)), IndexError,
      "Label 1000000 on rank 0"),
+    # sequence parallelism splits the sequence over tp: a length tp does not divide is refused on every rank
+    (lambda: _step(dict(tp_size=2, num_microbatches=2, enable_sequence_parallelism=True),
+                   {k: v[:, :7] for k, v in GOOD.items()}),
+     ValueError, "Sequence length 7 on rank 0 \\(data-parallel replica 0\\) is not divisible by tp_size=2"),
+    (lambda: _forward(dict(tp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all"),
+                      {k: v[:, :7] for k, v in GOOD.items()}),
+     ValueError, "splits the sequence over tp_size=2 ranks, but this batch has sequence length 7: pad the batch"),
 ]
 
 

@@ -1,5 +1,6 @@
 """Tensor parallel inside pipeline stages and data-parallel replicas equals single-process training for GPT-2,
-Llama and BERT; sharding choices are refused clearly before any process-group work."""
+Llama and BERT, also with sequence parallelism (both modes, with pp and dp); sharding choices are refused clearly
+before any process-group work."""
 import copy
 
 import pytest
@@ -13,6 +14,7 @@ from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 
 KINDS = ("gpt2_lm", "llama_lm", "bert_mlm", "bert_cls")
+SP_MODES = ("split_gather", "all_to_all")
 
 
 def _layouts(world: int):
@@ -40,28 +42,39 @@ def _two_ranks():
     _check_dropout_keeps_replicas_identical()
     _check_generation_matches()
     _check_pretrained_minilm()
+    _check_sequence_parallelism()
+    for mode in SP_MODES:
+        _check_dropout_keeps_replicas_identical(enable_sequence_parallelism=True, sequence_parallelism_mode=mode)
+        _check_sequence_shards(sequence_parallelism_mode=mode)
+    _check_generation_matches(("llama_lm",), enable_sequence_parallelism=True)  # eval mode: no split, any length
 
 
-def _check_dropout_keeps_replicas_identical():
-    """With dropout on, replicated activations (the residual stream) must stay identical on all tp ranks."""
+def _check_dropout_keeps_replicas_identical(**sp):
+    """With dropout on, replicated activations (the residual stream) must stay identical on all tp ranks. With
+    sequence parallelism the residual dropout acts on each rank's part of the sequence: masks drawn per rank."""
     config = mu.gpt2_config()
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.2
     torch.manual_seed(0)
     from transformers import GPT2Model
-    model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(GPT2Model(config))
+    model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2, **sp)).boost(GPT2Model(config))
     model.train()
+    masks = []
+    model.unwrap().h[0].attn.resid_dropout.register_forward_hook(lambda m, a, out: masks.append(out == 0))
     hidden = model(**mu.make_batch("gpt2", 4, 0)).last_hidden_state.detach()
     parts = [torch.empty_like(hidden) for _ in range(2)]
     dist.all_gather(parts, hidden)
     torch.testing.assert_close(parts[0], parts[1], rtol=0, atol=0)
     assert not torch.equal(hidden, model(**mu.make_batch("gpt2", 4, 0)).last_hidden_state.detach()), "dropout is off"
+    mask_parts = [torch.empty_like(masks[0]) for _ in range(2)]
+    dist.all_gather(mask_parts, masks[0])
+    assert torch.equal(mask_parts[0], mask_parts[1]) != bool(sp), "per-rank masks iff the sequence is split"
 
 
-def _check_generation_matches():
+def _check_generation_matches(kinds=("gpt2_lm", "llama_lm"), **sp):
     """Eval mode gathers the vocab-parallel logits (padding stripped): greedy generation equals the unsharded one."""
-    for kind in ("gpt2_lm", "llama_lm"):
+    for kind in kinds:
         reference = mu.build(kind).eval()
-        model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(copy.deepcopy(reference))
+        model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2, **sp)).boost(copy.deepcopy(reference))
         model.eval()
         prompt = mu.make_batch(kind, 2, 5)["input_ids"][:, :4]
         kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -91,6 +104,32 @@ def _check_pretrained_minilm():
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+def _check_sequence_parallelism(**layout):
+    """Both modes equal the unsharded model (losses, gradients, parameters after AdamW) for Llama and GPT-2."""
+    for mode in SP_MODES:
+        for kind in ("llama_lm", "gpt2_lm"):
+            mu.check_training(kind, tp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode=mode,
+                              **layout)
+
+
+def _check_sequence_shards(**plugin_kwargs):
+    """In training the layers see 1/tp of the sequence, and a pipeline stage's output (what it sends) is that shard;
+    the model's outputs are full. In eval mode the layers see the whole sequence."""
+    plugin = HybridParallelPlugin(tp_size=2, enable_sequence_parallelism=True, num_microbatches=2, **plugin_kwargs)
+    booster = Booster(plugin=plugin)
+    model, *_ = booster.boost(mu.build("llama_lm"))
+    lengths = []
+    list(model.unwrap().model.layers)[-1].register_forward_hook(lambda m, a, out: lengths.append(out.shape[1]),
+                                                         prepend=True)  # before a stage's exit
+    batch = mu.make_batch("llama_lm", 4, 0)
+    for training in (True, False):
+        model.train(training)
+        out = booster.execute_pipeline(iter([batch]), model, mu.criterion, return_outputs=True)
+        assert set(lengths) == {mu.SEQ // 2 if training else mu.SEQ}, (training, lengths)
+        assert out["outputs"] is None or out["outputs"]["logits"].shape[:2] == batch["input_ids"].shape
+        lengths.clear()
+
+
 def test_tensor_parallel_two_ranks():
     run_distributed(2, _two_ranks)
 
@@ -98,6 +137,11 @@ def test_tensor_parallel_two_ranks():
 def _four_ranks():
     _check_layouts(4)
     _check_parameter_bytes()
+    _check_sequence_parallelism(pp_size=2, num_microbatches=2)  # (2, 2, 1): stages send the sequence shard
+    _check_sequence_shards(pp_size=2)
+    for mode in SP_MODES:  # (2, 1, 2) with ZeRO and clipping
+        mu.check_training("gpt2_lm", tp_size=2, zero_stage=1 + SP_MODES.index(mode), max_norm=0.05,
+                          enable_sequence_parallelism=True, sequence_parallelism_mode=mode)
 
 
 def _check_parameter_bytes():

@@ -1,6 +1,8 @@
-"""Autograd-aware collectives for Megatron-style tensor parallelism.
+"""Autograd-aware collectives for Megatron-style tensor parallelism and sequence parallelism over the tp group.
 
-Each op is the identity when the group has one rank (or torch.distributed is not initialized).
+Each op is the identity when the group has one rank (or torch.distributed is not initialized). The sequence ops use
+torch's single-tensor collectives (`all_gather_single`, `reduce_scatter_single`, `all_to_all_single`; gloo has all
+three) on a copy with the split dimension moved first.
 """
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ __all__ = [
     "reduce_from_tp",
     "gather_from_tp",
     "split_to_tp",
+    "gather_from_sequence",
+    "reduce_scatter_to_sequence",
+    "all_to_all",
+    "all_gather_along",
 ]
 
 
@@ -53,6 +59,38 @@ def _own_chunk(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
         raise ValueError(f"size {x.size(dim)} along dim {dim} is not divisible by the group size {world}")
     step = x.size(dim) // world
     return x.narrow(dim, dist.get_rank(group) * step, step).contiguous()
+
+
+def all_gather_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+    """Concatenation along `dim` of every rank's `x` (no autograd): one `all_gather_single`."""
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((dist.get_world_size(group) * src.shape[0], *src.shape[1:]))
+    dist.all_gather_single(out, src, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+    """This rank's chunk along `dim` of the sum over the group: one `reduce_scatter_single`."""
+    world = dist.get_world_size(group)
+    if x.size(dim) % world:
+        raise ValueError(f"size {x.size(dim)} along dim {dim} is not divisible by the group size {world}")
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
+    dist.reduce_scatter_single(out, src, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup | None) -> Tensor:
+    """Rank r sends its j-th chunk along `scatter_dim` to rank j and concatenates what it receives along
+    `gather_dim`: one `all_to_all_single`."""
+    world = dist.get_world_size(group)
+    if x.size(scatter_dim) % world:
+        raise ValueError(f"size {x.size(scatter_dim)} along dim {scatter_dim} is not divisible by the group size "
+                         f"{world}")
+    src = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()
+    out = torch.empty_like(src)
+    dist.all_to_all_single(out, src, group=group)
+    return torch.cat(out.unbind(0), dim=gather_dim)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -111,6 +149,46 @@ class _SplitToTP(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
+class _GatherFromSequence(torch.autograd.Function):
+    """Forward: all-gather along `dim`. Backward: reduce-scatter (each rank's full-sequence gradient is partial)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return all_gather_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Forward: reduce-scatter along `dim`. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return all_gather_along(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: all-to-all from `scatter_dim` to `gather_dim`. Backward: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup | None) -> Tensor:
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
 def copy_to_tp(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """Enter a TP region: identity forward, gradient summed over the group."""
     return x if get_tp_world_size(group) == 1 else _CopyToTP.apply(x, group)
@@ -129,3 +207,21 @@ def gather_from_tp(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
 def split_to_tp(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Keep this rank's equal chunk along `dim`; the gradient is gathered back."""
     return x if get_tp_world_size(group) == 1 else _SplitToTP.apply(x, dim, group)
+
+
+def gather_from_sequence(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+    """Enter a tp region from a sequence shard (split_gather sequence parallelism): the full sequence, gathered
+    along `dim`; the gradient is reduce-scattered back to the shards."""
+    return x if get_tp_world_size(group) == 1 else _GatherFromSequence.apply(x, dim, group)
+
+
+def reduce_scatter_to_sequence(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+    """Leave a tp region into a sequence shard: partial results summed over the group, each rank keeping its chunk
+    along `dim`; the gradient is all-gathered."""
+    return x if get_tp_world_size(group) == 1 else _ReduceScatterToSequence.apply(x, dim, group)
+
+
+def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup | None) -> Tensor:
+    """Exchange chunks: split along `scatter_dim`, concatenate along `gather_dim` (Ulysses: heads for sequence);
+    the gradient takes the reverse exchange."""
+    return x if get_tp_world_size(group) == 1 else _AllToAll.apply(x, scatter_dim, gather_dim, group)

@@ -119,7 +119,8 @@ class TPRNGTracker:
 
 
 def wrap_module_forward_in_local_rng(module: nn.Module, tracker: TPRNGTracker) -> tuple[RemovableHandle, ...]:
-    """Run `module`'s forward under the tracker's per-rank RNG state (pre-hook enters, post-hook exits)."""
+    """Run `module`'s forward under the tracker's per-rank RNG state (pre-hook enters, post-hook exits; the exit runs
+    before the module's other forward hooks, one of which may end a pipeline stage's forward by raising)."""
 
     def enter(mod: nn.Module, args: tuple) -> None:
         tracker.enter_local()
@@ -127,7 +128,7 @@ def wrap_module_forward_in_local_rng(module: nn.Module, tracker: TPRNGTracker) -
     def leave(mod: nn.Module, args: tuple, output: object) -> None:
         tracker.exit_local()
 
-    return module.register_forward_pre_hook(enter), module.register_forward_hook(leave)
+    return module.register_forward_pre_hook(enter), module.register_forward_hook(leave, prepend=True)
 
 
 def wrap_module_forward_in_shared_rng(module: nn.Module, tracker: TPRNGTracker) -> tuple[RemovableHandle, ...]:

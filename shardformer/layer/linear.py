@@ -2,6 +2,11 @@
 
 Both accept torch.nn.Linear (weight (out, in)) and transformers' Conv1D (weight (in, out), forward x @ W + b), so
 the sharded model's state_dict keys stay the Hugging Face ones.
+
+With `sequence_dim` set (split_gather sequence parallelism, in training mode) the input of a column layer is this
+rank's sequence shard: it is all-gathered along that dimension, and only the shard is kept for backward, which
+gathers it again (as Megatron-LM does), so the saved activation is 1/tp of the full one. A row layer then
+reduce-scatters its output along the sequence instead of all-reducing it.
 """
 from __future__ import annotations
 
@@ -12,10 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .comm import copy_to_tp, gather_from_tp, get_tp_rank, get_tp_world_size, reduce_from_tp, split_to_tp
+from .comm import (all_gather_along, copy_to_tp, gather_from_sequence, gather_from_tp, get_tp_rank, get_tp_world_size,
+                   reduce_from_tp, reduce_scatter_to_sequence, split_to_tp)
 from .spec import UnshardedStateDict, TPSpec, get_tp_spec, set_tp_spec, shard_parameter
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceShard"]
 
 
 def _native_shape(module: nn.Module) -> tuple[int, int, bool]:
@@ -37,6 +43,58 @@ def _load_native(layer: nn.Module, module: nn.Module, rank: int, world: int) -> 
     for name in ("weight", "bias"):
         if getattr(layer, name) is not None:
             setattr(layer, name, shard_parameter(getattr(module, name), get_tp_spec(getattr(layer, name)), rank, world))
+
+
+class SequenceShard:
+    """A sequence shard that column layers read as the full, all-gathered sequence: the layers sharing it (q, k and
+    v of one attention) keep only the shard for backward, and the first of them to need the full input there gathers
+    it once for all (it is dropped when the last one has used it).
+
+    Args:
+        dim: the sequence dimension.
+        group: the tp group the sequence is split over.
+    """
+
+    def __init__(self, dim: int, group: ProcessGroup | None) -> None:
+        self.dim, self.group = dim, group
+        self.readers = 0  # column layers that read it in forward; each gathers (or reuses) it once in backward
+        self._full: Tensor | None = None
+
+    def gather(self, shard: Tensor, needed: bool = True) -> Tensor | None:
+        """The full input again, in backward (a collective: every tp rank runs the same backward); `needed=False`
+        only signs off a reader that needs no weight gradient."""
+        full = self._full
+        if needed and full is None:
+            full = all_gather_along(shard, self.dim, self.group)
+        self.readers -= 1
+        self._full = full if self.readers > 0 else None
+        return full
+
+
+class _LinearOnGathered(torch.autograd.Function):
+    """`full @ W^T + b` (Conv1D: `full @ W + b`) that saves the sequence shard instead of `full` and gathers it
+    again in backward. `full` is the all-gather of `shard` (its gradient flows back through that gather)."""
+
+    @staticmethod
+    def forward(ctx, full: Tensor, shard: Tensor, weight: Tensor, bias: Tensor | None, source: SequenceShard,
+                is_conv1d: bool) -> Tensor:
+        ctx.save_for_backward(shard, weight)
+        ctx.source, ctx.is_conv1d, ctx.has_bias = source, is_conv1d, bias is not None
+        return F.linear(full, weight.t() if is_conv1d else weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        shard, weight = ctx.saved_tensors
+        w = weight.t() if ctx.is_conv1d else weight  # (out, in)
+        grad_full = grad @ w if ctx.needs_input_grad[0] else None
+        grad_weight = grad_bias = None
+        full = ctx.source.gather(shard, needed=ctx.needs_input_grad[2])
+        if ctx.needs_input_grad[2]:
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+            grad_weight = grad_weight.t() if ctx.is_conv1d else grad_weight
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_full, None, grad_weight, grad_bias, None, None
 
 
 class ColumnParallelLinear(UnshardedStateDict, nn.Module):
@@ -83,6 +141,10 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         # runs): sibling projections (q, k, v; gate, up) that read exactly it all-reduce their summed input gradient
         # once, not once each; any other input is copied here
         self.copied_input: Tensor | None = None
+        # split_gather sequence parallelism: the sequence dimension of the input (None: off), and, while the
+        # enclosing region runs, the shard its gathered `copied_input` came from
+        self.sequence_dim: int | None = None
+        self.copied_shard: tuple[Tensor, SequenceShard] | None = None
 
         shape = (in_features, self.out_features) if is_conv1d else (self.out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -131,11 +193,24 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
-        if x is not self.copied_input:
-            x = copy_to_tp(x, self.tp_group)
-        weight = self.weight.t() if self.is_conv1d else self.weight
-        out = F.linear(x, weight, self.bias)
+        if self.sequence_dim is not None and self.training:
+            out = self._forward_on_sequence_shard(x)
+        else:
+            if x is not self.copied_input:
+                x = copy_to_tp(x, self.tp_group)
+            weight = self.weight.t() if self.is_conv1d else self.weight
+            out = F.linear(x, weight, self.bias)
         return self.gather(out) if self.gathers_output else out
+
+    def _forward_on_sequence_shard(self, x: Tensor) -> Tensor:
+        if x is self.copied_input and self.copied_shard is not None:  # the region gathered it once for all
+            shard, source = self.copied_shard
+            full = x
+        else:  # `x` is a sequence shard: gather it here
+            shard, source = x, SequenceShard(self.sequence_dim, self.tp_group)
+            full = gather_from_sequence(x, self.sequence_dim, self.tp_group)
+        source.readers += 1
+        return _LinearOnGathered.apply(full, shard.detach(), self.weight, self.bias, source, self.is_conv1d)
 
     @property
     def gathers_output(self) -> bool:
@@ -189,6 +264,7 @@ class RowParallelLinear(UnshardedStateDict, nn.Module):
         self.out_features = out_features
         self.input_is_parallel = input_is_parallel
         self.is_conv1d = is_conv1d
+        self.sequence_dim: int | None = None  # split_gather sequence parallelism: reduce-scatter along it
 
         shape = (self.in_features, out_features) if is_conv1d else (out_features, self.in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -221,7 +297,11 @@ class RowParallelLinear(UnshardedStateDict, nn.Module):
         if not self.input_is_parallel:
             x = split_to_tp(x, -1, self.tp_group)
         weight = self.weight.t() if self.is_conv1d else self.weight
-        out = reduce_from_tp(F.linear(x, weight), self.tp_group)
+        out = F.linear(x, weight)
+        if self.sequence_dim is not None and self.training:
+            out = reduce_scatter_to_sequence(out, self.sequence_dim, self.tp_group)
+        else:
+            out = reduce_from_tp(out, self.tp_group)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

@@ -11,16 +11,24 @@ from torch.distributed import ProcessGroup
 
 from .comm import get_tp_rank, get_tp_world_size
 
-__all__ = ["sum_grads_over_tp", "keep_own_head"]
+__all__ = ["sum_grads_over_tp", "sum_grad_over_tp", "keep_own_head"]
+
+
+def sum_grad_over_tp(param: Tensor, group: ProcessGroup | None) -> None:
+    """Each use's gradient of `param` is summed over the group before it is accumulated (so the per-microbatch sums
+    add up): for a replicated parameter that sees only this rank's part of a split activation. Once per parameter
+    (a second call does nothing); the flag `param._grad_summed_over_tp` tells a parameter re-created later (lazy
+    initialization) to get the hook again."""
+    if getattr(param, "_grad_summed_over_tp", False) or get_tp_world_size(group) == 1:
+        return
+    param.register_hook(functools.partial(_summed, group=group))
+    param._grad_summed_over_tp = True
 
 
 def sum_grads_over_tp(module: nn.Module, group: ProcessGroup | None) -> None:
-    """Each use's gradient of the module's parameters is summed over the group before it is accumulated (so the
-    per-microbatch sums add up): for replicated parameters that see only this rank's part of a split activation."""
-    if get_tp_world_size(group) == 1:
-        return
+    """`sum_grad_over_tp` for each of the module's parameters."""
     for p in module.parameters():
-        p.register_hook(functools.partial(_summed, group=group))
+        sum_grad_over_tp(p, group)
 
 
 def _summed(grad: Tensor, group: ProcessGroup) -> Tensor:

@@ -46,6 +46,8 @@ class Sharder:
         """Shard in place; returns the shared parameters as [{stage: parameter name on that stage}]."""
         self.policy.check_paths()
         self.policy.check_tp(self.model.config, self.shard_config.tp_size)
+        if self.shard_config.tp_size > 1:
+            self._check_adapters()
         tied = self._tied_names()
         shared = self.policy.shared_param_names() if self.shard_config.pipeline_stage_manager else []
         if self.shard_config.pipeline_stage_manager is not None:
@@ -219,6 +221,16 @@ class Sharder:
                 return style
         return None
 
+    def _check_adapters(self) -> None:
+        """Refuse LoRA adapters on modules whose parallel style they cannot follow, on the unsharded model (every
+        rank alike, before any collective)."""
+        from .lora import check_lora_layer, is_lora_layer
+
+        for path, module in self.model.named_modules():
+            style = self._style_of(path)
+            if style is not None and is_lora_layer(module) and not isinstance(style, (GradAllReduce, KVHeads)):
+                check_lora_layer(path, module, style)
+
     def _replace_modules(self) -> None:
         from .layer import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_size,
                             vocab_parallel_lm_head)
@@ -226,6 +238,7 @@ class Sharder:
         from .layer.replicated import keep_own_head, sum_grads_over_tp
         from .layer.vocab_split import shard_embedding_in_place
         from .layer.loss import parallel_causal_lm_loss
+        from .lora import is_lora_layer, shard_lora_layer
 
         cfg, group = self.shard_config, self.shard_config.tensor_parallel_process_group
         tp = cfg.tp_size
@@ -233,6 +246,9 @@ class Sharder:
         for path, module in list(self.model.named_modules()):
             style = self._style_of(path)
             if style is None or isinstance(module, Released) or not list(module.parameters()):
+                continue
+            if is_lora_layer(module) and not isinstance(style, (GradAllReduce, KVHeads)):
+                shard_lora_layer(module, style, group, cfg.rng_tracker)  # base layer and adapters, in place
                 continue
             if isinstance(style, Colwise):
                 new = ColumnParallelLinear.from_native_module(module, group, gather_output=style.gather_output,

@@ -11,6 +11,7 @@ from booster_plugin import Booster, HybridParallelPlugin
 from shardformer.policies import get_autopolicy
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
+from tests.test_lora import check_lora
 
 KINDS = ("gpt2_lm", "llama_lm", "bert_mlm", "bert_cls")
 
@@ -95,9 +96,10 @@ def test_tensor_parallel_two_ranks():
     run_distributed(2, _two_ranks)
 
 
-def _four_ranks():
+def _four_ranks(tmp_dir: str):
     _check_layouts(4)
     _check_parameter_bytes()
+    check_lora(tmp_dir)  # LoRA adapters on tp x pp and tp x dp (tests/test_lora.py)
 
 
 def _check_parameter_bytes():
@@ -116,8 +118,8 @@ def _check_parameter_bytes():
     assert abs(mine / ideal - 1) <= 0.05, (mine, ideal)
 
 
-def test_tensor_parallel_four_ranks():
-    run_distributed(4, _four_ranks)
+def test_tensor_parallel_four_ranks(tmp_path):
+    run_distributed(4, _four_ranks, str(tmp_path))
 
 
 def test_tensor_parallel_eight_ranks():

@@ -72,9 +72,7 @@ class Booster:
             lora_config: a `peft.LoraConfig` for new adapters (`peft.get_peft_model(model, lora_config)`).
             bnb_quantization_config, quantize: quantized LoRA (bitsandbytes) is not supported: refused.
         """
-        if quantize and bnb_quantization_config is None:
-            bnb_quantization_config = "nf4"  # ColossalAI's default 4-bit config, refused below
-        return enable_lora(model, pretrained_dir, lora_config, bnb_quantization_config)
+        return enable_lora(model, pretrained_dir, lora_config, bnb_quantization_config, quantize)
 
     def save_lora_as_pretrained(self, model: nn.Module, checkpoint: str, use_safetensors: bool = False) -> None:
         """Collective: write the boosted model's LoRA adapters, gathered from every tp rank and pipeline stage, as a

@@ -4,14 +4,24 @@ records, on the unsharded model, which parameters `save_lora_as_pretrained` writ
 that: its `get_peft_model_state_dict`)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from torch import nn
 
-__all__ = ["enable_lora", "split_peft_model", "materialize_adapters", "adapter_file_keys", "checkpoint_key"]
+__all__ = ["LoRAState", "enable_lora", "split_peft_model", "materialize_adapters", "adapter_file_keys",
+           "checkpoint_key"]
 
 # {adapter name: {key in its adapter file: parameter name in the transformers model}}
 AdapterKeys = Dict[str, Dict[str, str]]
+
+
+@dataclass
+class LoRAState:
+    """What a boosted LoRA model keeps (`HybridParallelModule.lora`): the PeftModel around the sharded transformers
+    model, and each adapter's file keys and parameters (decided on the unsharded model)."""
+    peft_model: nn.Module
+    adapter_keys: AdapterKeys
 
 
 def _peft():
@@ -23,7 +33,7 @@ def _peft():
 
 
 def enable_lora(model: nn.Module, pretrained_dir: Optional[str] = None, lora_config=None,
-                bnb_quantization_config=None):
+                bnb_quantization_config=None, quantize: bool = False):
     """The peft model with LoRA adapters on `model` (see Booster.enable_lora); refuses what boost cannot train."""
     from .parallel_module import HybridParallelModule
 
@@ -34,7 +44,7 @@ def enable_lora(model: nn.Module, pretrained_dir: Optional[str] = None, lora_con
     if isinstance(model, peft.PeftModel):
         raise ValueError("enable_lora got a model that already has peft adapters; pass the transformers model (add "
                          "more adapters with peft's add_adapter before boost).")
-    if bnb_quantization_config is not None:
+    if quantize or bnb_quantization_config is not None:
         raise NotImplementedError("Quantized LoRA (bnb_quantization_config / quantize=True, bitsandbytes) is not "
                                   "supported; train the adapters on the model in fp32 or bf16 (precision='bf16').")
     if pretrained_dir is None and lora_config is None:
@@ -55,8 +65,7 @@ def split_peft_model(model: nn.Module) -> Tuple[nn.Module, Optional[nn.Module]]:
         return model, None
     if not isinstance(model, PeftModel):
         return model, None
-    kinds = sorted({str(c.peft_type.value if hasattr(c.peft_type, "value") else c.peft_type)
-                    for c in model.peft_config.values()})
+    kinds = sorted({str(getattr(c.peft_type, "value", c.peft_type)) for c in model.peft_config.values()})
     if kinds != ["LORA"]:
         raise NotImplementedError(f"boost supports peft's LoRA adapters only; this PeftModel has {kinds}.")
     return model.get_base_model(), model

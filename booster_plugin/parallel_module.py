@@ -150,8 +150,7 @@ class HybridParallelModule(nn.Module):
         self.shared_params = shared_params  # [(parameter, group of the stages holding it, is_owner)]
         # False while gradients accumulate (all but the last microbatch, booster.no_sync): no reduction launched
         self.require_grad_sync = True
-        self.peft_model: Optional[nn.Module] = None  # the PeftModel around `module` when boosted with LoRA
-        self.adapter_keys: Dict[str, Dict[str, str]] = {}  # see booster_plugin/lora.py
+        self.lora = None  # booster_plugin.lora.LoRAState when boosted with LoRA adapters (the PeftModel, ...)
         self._buckets: List[GradBucket] = []
         if self.dp_size > 1:  # buckets in reverse order: the backward pass produces the last layers' grads first
             params = [p for p in module.parameters() if p.requires_grad]
@@ -187,7 +186,7 @@ class HybridParallelModule(nn.Module):
 
     def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
         """The sharded transformers model; `unwrap_peft=False`: the PeftModel around it, for a LoRA model."""
-        return self.module if unwrap_peft or self.peft_model is None else self.peft_model
+        return self.module if unwrap_peft or self.lora is None else self.lora.peft_model
 
     @torch.no_grad()
     def full_outputs(self, outputs: Any, loss: Optional[torch.Tensor]) -> Any:

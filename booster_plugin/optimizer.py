@@ -63,7 +63,7 @@ class HybridParallelOptimizer:
             stepped = []
             for p in group["params"]:
                 master = p
-                if master_dtype is not None:
+                if master_dtype is not None and p.requires_grad:  # frozen (e.g. LoRA's base): never stepped
                     master = nn.Parameter(p.detach().to(master_dtype).clone(), requires_grad=p.requires_grad)
                     if get_tp_spec(p) is not None:
                         master._tp_spec = get_tp_spec(p)

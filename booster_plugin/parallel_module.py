@@ -150,6 +150,7 @@ class HybridParallelModule(nn.Module):
         self.shared_params = shared_params  # [(parameter, group of the stages holding it, is_owner)]
         # False while gradients accumulate (all but the last microbatch, booster.no_sync): no reduction launched
         self.require_grad_sync = True
+        self.lora = None  # booster_plugin.lora.LoRAState when boosted with LoRA adapters (the PeftModel, ...)
         self._buckets: List[GradBucket] = []
         if self.dp_size > 1:  # buckets in reverse order: the backward pass produces the last layers' grads first
             params = [p for p in module.parameters() if p.requires_grad]
@@ -183,8 +184,9 @@ class HybridParallelModule(nn.Module):
             bucket.reset()
         super().zero_grad(set_to_none=set_to_none)
 
-    def unwrap(self) -> nn.Module:
-        return self.module
+    def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
+        """The sharded transformers model; `unwrap_peft=False`: the PeftModel around it, for a LoRA model."""
+        return self.module if unwrap_peft or self.lora is None else self.lora.peft_model
 
     @torch.no_grad()
     def full_outputs(self, outputs: Any, loss: Optional[torch.Tensor]) -> Any:
@@ -220,11 +222,15 @@ class HybridParallelModule(nn.Module):
             bucket.finish(self.dp_size)
         if self.zero_stage == 2:  # a shared parameter has a bucket of its own: its slices agree across stages
             for p, group, _ in self.shared_params:
+                if not p.requires_grad:
+                    continue
                 bucket = self.bucket_of(p)
                 dist.all_reduce(bucket.shard_grad(self.dp_rank), group=group)
                 bucket.used = [True]
             return
         for p, group, _ in self.shared_params:
+            if not p.requires_grad:  # frozen (e.g. a tied embedding under LoRA): no gradient to sum
+                continue
             if p.grad is None:  # (ZeRO-1: in the bucket, whose slices the optimizer reads)
                 p.grad = self.bucket_of(p).view(0).zero_() if self.zero_stage else torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)

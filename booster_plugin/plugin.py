@@ -23,6 +23,7 @@ from shardformer.sharder import ShardConfig, Sharder
 from .activation_checkpoint import GradientCheckpointConfig, apply_activation_checkpointing
 from .batch_check import BatchLimits, agree_on_batch, label_vocab_of, vocab_of
 from .colossal_args import check_unacted_args
+from .lora import LoRAState, adapter_file_keys, materialize_adapters, split_peft_model
 from .failure import FailureGuard
 from .mixed_precision import DynamicLossScaler, LossScalerConfig
 from .optimizer import HybridParallelOptimizer
@@ -284,6 +285,11 @@ class HybridParallelPlugin:
             raise ValueError("This model is already boosted.")
         if optimizer is not None and self.zero_stage > 0:
             check_zero_optimizer(optimizer, self.zero_stage)
+        model, peft_model = split_peft_model(model)  # a LoRA model: shard the transformers model inside it
+        lora = None
+        if peft_model is not None:
+            materialize_adapters(peft_model)  # built on the meta device: peft's own init for the small adapters
+            lora = LoRAState(peft_model, adapter_file_keys(peft_model))
         param_names: Dict[int, list] = {}
         for name, p in model.named_parameters(remove_duplicate=False):  # a tied parameter has several names
             param_names.setdefault(id(p), []).append(name)
@@ -325,6 +331,7 @@ class HybridParallelPlugin:
                                       self.pp_group if self.pp_size > 1 else None, shared, self.zero_stage,
                                       bucket_bytes=self.bucket_bytes)
         module.policy, module.full_params, module.batch_limits = policy, full_params, batch_limits
+        module.lora = lora
         module.sync_params()
         if optimizer is not None:
             _rebind_optimizer(optimizer, param_names, params)

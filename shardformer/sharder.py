@@ -15,6 +15,7 @@ from .layer.spec import TPSpec, get_tp_spec, shard_parameter
 from .regions import enter_tp_regions_once
 from .sequence_parallel import (SEQUENCE_DIM, apply_sequence_parallelism, check_sequence_parallelism, inside_layers,
                                 sequence_span)
+from .lora import check_lora_layers
 from .policies.base import (Colwise, GradAllReduce, HeadEmbedding, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
                             VocabHead, match)
 from .stage import (ChunkView, Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
@@ -65,6 +66,8 @@ class Sharder:
         if mode is not None:
             check_sequence_parallelism(self.policy, mode, self.model.config, self.shard_config.tp_size)
         span = sequence_span(self.policy) if mode is not None else None  # before this stage keeps its own modules
+        if self.shard_config.tp_size > 1:  # on the unsharded model, every rank alike, before any collective
+            check_lora_layers(self.model, self._style_of)
         tied = self._tied_names()
         shared = self.policy.shared_param_names() if self.shard_config.pipeline_stage_manager else []
         if self.shard_config.pipeline_stage_manager is not None:
@@ -258,6 +261,7 @@ class Sharder:
         from .layer.replicated import keep_own_head, sum_grads_over_tp
         from .layer.vocab_split import shard_embedding_in_place
         from .layer.loss import parallel_causal_lm_loss
+        from .lora import shards_adapters, shard_lora_layer
 
         cfg, group = self.shard_config, self.shard_config.tensor_parallel_process_group
         tp = cfg.tp_size
@@ -265,6 +269,9 @@ class Sharder:
         for path, module in list(self.model.named_modules()):
             style = self._style_of(path)
             if style is None or isinstance(module, Released) or not list(module.parameters()):
+                continue
+            if shards_adapters(module, style):
+                shard_lora_layer(module, style, group, cfg.rng_tracker)  # base layer and adapters, in place
                 continue
             if isinstance(style, Colwise):
                 new = ColumnParallelLinear.from_native_module(module, group, gather_output=style.gather_output,

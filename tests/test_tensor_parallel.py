@@ -12,6 +12,7 @@ from booster_plugin import Booster, HybridParallelPlugin
 from shardformer.policies import get_autopolicy
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
+from tests.test_lora import check_lora
 
 KINDS = ("gpt2_lm", "llama_lm", "bert_mlm", "bert_cls")
 SP_MODES = ("split_gather", "all_to_all")
@@ -134,7 +135,7 @@ def test_tensor_parallel_two_ranks():
     run_distributed(2, _two_ranks)
 
 
-def _four_ranks():
+def _four_ranks(tmp_dir: str):
     _check_layouts(4)
     _check_parameter_bytes()
     _check_sequence_parallelism(pp_size=2, num_microbatches=2)  # (2, 2, 1): stages send the sequence shard
@@ -142,6 +143,7 @@ def _four_ranks():
     for mode in SP_MODES:  # (2, 1, 2) with ZeRO and clipping
         mu.check_training("gpt2_lm", tp_size=2, zero_stage=1 + SP_MODES.index(mode), max_norm=0.05,
                           enable_sequence_parallelism=True, sequence_parallelism_mode=mode)
+    check_lora(tmp_dir)  # LoRA adapters on tp x pp and tp x dp (tests/test_lora.py)
 
 
 def _check_parameter_bytes():
@@ -160,8 +162,8 @@ def _check_parameter_bytes():
     assert abs(mine / ideal - 1) <= 0.05, (mine, ideal)
 
 
-def test_tensor_parallel_four_ranks():
-    run_distributed(4, _four_ranks)
+def test_tensor_parallel_four_ranks(tmp_path):
+    run_distributed(4, _four_ranks, str(tmp_path))
 
 
 def test_tensor_parallel_eight_ranks():

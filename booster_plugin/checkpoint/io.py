@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..optimizer import HybridParallelOptimizer
 from . import atomic
 from . import format as fmt
+from . import lora as lora_ckpt
 from . import model as model_ckpt
 from . import optimizer as optim_ckpt
 from . import jobs
@@ -105,6 +106,12 @@ class HybridParallelCheckpointIO:
                 p.copy_(t)
                 for opt in optimizers:  # mixed precision: the fp32 master weights (ZeRO: this rank's slice) too
                     opt.load_master_weight(p, t)
+
+    def save_lora_as_pretrained(self, model, checkpoint: str, use_safetensors: bool = False) -> None:
+        """The LoRA adapters as a peft adapter directory (see lora.py); always safetensors, `use_safetensors` is
+        accepted for ColossalAI compatibility."""
+        self.synchronize()
+        lora_ckpt.save_lora_as_pretrained(self, model, os.fspath(checkpoint))
 
     # -- optimizer -----------------------------------------------------------------------------------------------
     def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,

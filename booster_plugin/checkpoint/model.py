@@ -57,6 +57,14 @@ def tied_map(module: HybridParallelModule) -> Dict[str, str]:
     return {t: s for t, s in keys.items() if t in full and s in full and t != s}
 
 
+def _key_of(module: HybridParallelModule):
+    """Parameter name -> its key in the checkpoint (a LoRA model's base weights under their module's own name)."""
+    if module.lora is None:
+        return lambda name: name
+    from ..lora import checkpoint_key
+    return checkpoint_key
+
+
 def _my_stage(io: "HybridParallelCheckpointIO", module: HybridParallelModule) -> int:
     return io.plugin.stage
 
@@ -140,6 +148,23 @@ def _gathered(io: "HybridParallelCheckpointIO", module: HybridParallelModule, en
             yield t
 
 
+def gather_on_rank0(io: "HybridParallelCheckpointIO", module: HybridParallelModule,
+                    names: Iterable[str]) -> Dict[str, torch.Tensor]:
+    """Collective: {name: the full (unsharded, unpadded) tensor} of the unsharded parameters `names` on global rank
+    0, from whichever stage and tp ranks hold them; {} on the other ranks."""
+    tied = tied_map(module)
+    wanted = {n: tied.get(n, n) for n in names}
+    entries, stages = _model_plan(io, module)
+    entries = [e for e in entries if e.name in set(wanted.values())]
+    stream = _gathered(io, module, entries, stages, writer=0, snapshot=True)
+    if dist.get_rank() != 0:
+        for _ in stream:  # this rank's part of the collectives
+            pass
+        return {}
+    full = {e.name: t for e, t in zip(entries, stream)}
+    return {n: full[source] for n, source in wanted.items()}
+
+
 def _write_file(path: str, entries: Sequence[fmt.Entry], tensors: Iterator[torch.Tensor], torch_format: bool) -> None:
     if not torch_format:
         fmt.write_safetensors(path, entries, tensors)
@@ -174,6 +199,7 @@ def save_model(io: "HybridParallelCheckpointIO", model, checkpoint: str, shard: 
     tmp = atomic.siblings(checkpoint)[1]
 
     my_stage = _my_stage(io, module)
+    key_of = _key_of(module)
     writers, snapshots = set(), []
     for file_name, file_entries in files:
         writer = io.writer_rank(stages[file_entries[0].name]) if shard else 0
@@ -182,12 +208,13 @@ def save_model(io: "HybridParallelCheckpointIO", model, checkpoint: str, shard: 
             continue
         stream = _gathered(io, module, file_entries, stages, writer, snapshot=use_async)
         path = tmp if single else os.path.join(tmp, file_name)
+        keyed = [fmt.Entry(key_of(e.name), e.shape, e.dtype) for e in file_entries]
         if rank == writer and error is None:
             try:
                 if use_async:
-                    snapshots.append((path, file_entries, list(stream)))
+                    snapshots.append((path, keyed, list(stream)))
                 else:
-                    _write_file(path, file_entries, stream, torch_format)
+                    _write_file(path, keyed, stream, torch_format)
             except Exception as exc:
                 error = io.describe(exc)
         for _ in stream:  # the rest of the collectives, whatever happened to the file
@@ -207,7 +234,7 @@ def save_model(io: "HybridParallelCheckpointIO", model, checkpoint: str, shard: 
                 checksums.update(fmt.file_checksums(os.path.join(tmp, file_name)))
             fmt.write_json(os.path.join(tmp, (f"{prefix}-" if prefix else "") + SAFE_WEIGHTS_INDEX_NAME), {
                 "metadata": {"total_size": sum(e.nbytes for e in entries)},
-                "weight_map": {e.name: name for name, fe in files for e in fe},
+                "weight_map": {key_of(e.name): name for name, fe in files for e in fe},
                 "checksums": {"algorithm": fmt.CHECKSUM_KEY, "tensors": checksums}})
         _save_config(module, tmp, entries)
         atomic.swap_into_place(checkpoint)
@@ -286,10 +313,12 @@ def _check_config(module: HybridParallelModule, directory: str) -> None:
                          f"boosted model is {mine!r} ({type(module.unwrap()).__name__}).")
 
 
-def _key_for(name: str, weight_map: Dict[str, str], tied: Dict[str, str], base_prefix: str) -> Optional[str]:
-    """The checkpoint key holding parameter `name`: its tie source first, then the name, then with the base
-    model's prefix removed or added (a base-model checkpoint for a model with a head, or the reverse)."""
-    candidates = ([tied[name]] if name in tied else []) + [name]
+def _key_for(name: str, weight_map: Dict[str, str], tied: Dict[str, str], base_prefix: str,
+             key_of=lambda n: n) -> Optional[str]:
+    """The checkpoint key holding parameter `name`: its tie source first, then the name (as `key_of` writes it),
+    then with the base model's prefix removed or added (a base-model checkpoint for a model with a head, or the
+    reverse)."""
+    candidates = ([key_of(tied[name])] if name in tied else []) + [key_of(name)]
     for c in list(candidates):
         if base_prefix and c.startswith(base_prefix + "."):
             candidates.append(c[len(base_prefix) + 1:])
@@ -307,7 +336,10 @@ def read_model(io: "HybridParallelCheckpointIO", module: HybridParallelModule, c
     unwrapped = module.unwrap()
     tied = tied_map(module)
     base_prefix = getattr(unwrapped, "base_model_prefix", "") or ""
-    keys = {n: _key_for(n, weight_map, tied, base_prefix) for n in module.full_params}
+    keys = {n: _key_for(n, weight_map, tied, base_prefix, _key_of(module)) for n in module.full_params}
+    adapters = {n for files in module.lora.adapter_keys.values() for n in files.values()} if module.lora else set()
+    if adapters and all(keys[n] is None for n in adapters):  # the base model's checkpoint: adapters stay as they are
+        keys = {n: k for n, k in keys.items() if n not in adapters}
     missing = [n for n, k in keys.items() if k is None]
     if missing and strict:
         raise LookupError(f"{directory}: the checkpoint has no tensor for {len(missing)} parameter(s) of the model: "
@@ -330,6 +362,8 @@ def read_model(io: "HybridParallelCheckpointIO", module: HybridParallelModule, c
         name = next((n for n in names if n not in tied), names[0])
         key = keys.get(name)
         if key is None:
+            if name in adapters and name not in keys:
+                continue
             if name not in module.full_params:
                 raise LookupError(f"the boosted model holds {name!r}, which its unsharded layout does not know")
             continue  # strict=False

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
+from ..lora import native_module
 from .base import (IDENTITY, INPUT, Colwise, GradAllReduce, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
                    VocabHead, match)
 
@@ -124,18 +125,20 @@ class PlanPolicy(Policy):
                     if isinstance(style, SplitParam):
                         continue
                     need = _NEEDS.get(type(style), nn.Linear if isinstance(style, VocabHead) else nn.Module)
-                    if not isinstance(module, need):
+                    if not isinstance(native_module(module), need):  # a LoRA layer: the module it wraps
                         raise PlanRefused(f"tp plan shards '{path}' ({type(module).__name__}) as "
                                           f"{type(style).__name__}, which needs a {need.__name__}.")
 
     def _split_activation_params(self, base: nn.Module) -> Dict[str, GradAllReduce]:
         """Modules with parameters inside a region whose column layers split their outputs (e.g. a learnable
-        activation between up and down projections) see only this rank's part: their gradients are summed."""
+        activation between up and down projections) see only this rank's part: their gradients are summed. A
+        planned module's submodules (e.g. a LoRA layer's base layer and adapters) follow its style instead."""
         regions = [path for path, _ in _matching(base, self.local_rng_modules)]
+        planned = [path for path, _ in _matching(base, self.tp_plan)]
         found = {}
         for path, module in base.named_modules():
             if any(path.startswith(r + ".") for r in regions) and next(module.parameters(recurse=False), None) \
-                    is not None and not any(match(p, path) for p in self.tp_plan):
+                    is not None and not any(path == p or path.startswith(p + ".") for p in planned):
                 found[path] = GradAllReduce()
         return found
 
@@ -149,8 +152,8 @@ class PlanPolicy(Policy):
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
             base = self.model.base_model
             for pattern, style in list(self.tp_plan.items()):
-                kv_modules = [m for _, m in _matching(base, (pattern,)) if isinstance(m, nn.Linear)
-                              and m.out_features == kv * head_dim] if isinstance(style, Colwise) else []
+                kv_modules = [m for _, m in _matching(base, (pattern,)) if isinstance(native_module(m), nn.Linear)
+                              and native_module(m).out_features == kv * head_dim] if isinstance(style, Colwise) else []
                 if kv_modules and not style.gather_output:
                     self.tp_plan[pattern] = KVHeads(kv)
                     self.tp_attribute_values = {**self.tp_attribute_values,

@@ -19,10 +19,11 @@ from typing import Callable, Optional
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .layer.comm import copy_to_tp, get_tp_rank, get_tp_world_size
+from .layer.comm import get_tp_rank, get_tp_world_size
 from .layer.linear import ColumnParallelLinear, RowParallelLinear
 from .layer.replicated import sum_grads_over_tp
 from .layer.spec import TPSpec, shard_parameter
+from .regions import enter_region
 
 __all__ = ["LoRAShardingError", "is_lora_layer", "native_module", "shards_adapters", "check_lora_layers",
            "shard_lora_layer"]
@@ -133,11 +134,12 @@ class _CopyInputOnce:
         x = args[0] if args else kwargs["x"]
         if x is base.copied_input:
             return None
-        self.previous, base.copied_input = base.copied_input, copy_to_tp(x, self.group)
+        self.previous = (base.copied_input, base.copied_shard)
+        base.copied_input, base.copied_shard = enter_region(x, self.group, base.sequence_dim if base.training else None)
         if args:
             return (base.copied_input, *args[1:]), kwargs
         return args, {**kwargs, "x": base.copied_input}
 
     def post(self, layer: nn.Module, args, output) -> None:
         if self.previous is not self._UNSET:
-            layer.base_layer.copied_input, self.previous = self.previous, self._UNSET
+            (layer.base_layer.copied_input, layer.base_layer.copied_shard), self.previous = self.previous, self._UNSET

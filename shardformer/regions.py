@@ -5,9 +5,9 @@ the sequence shard (one reduce-scatter in backward). A column layer whose input 
 input enters by itself."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from .layer import ColumnParallelLinear, SequenceShard, copy_to_tp, gather_from_sequence
@@ -36,6 +36,14 @@ def enter_tp_regions_once(model: nn.Module, policy: Policy, group: ProcessGroup,
             region.register_forward_hook(_RegionExit(columns))
 
 
+def enter_region(x: Tensor, group: ProcessGroup, sequence_dim: Optional[int]) -> Tuple[Tensor, Optional[tuple]]:
+    """A tp region's input as its column layers read it, and the shard it came from: with `sequence_dim`
+    (split_gather, training) the sequence gathered from its shards, else `x` copied into the region."""
+    if sequence_dim is None:
+        return copy_to_tp(x, group), None
+    return gather_from_sequence(x, sequence_dim, group), (x, SequenceShard(sequence_dim, group))
+
+
 class _RegionEntry:
     """Forward pre-hook: enter the tp region with the module's input once and tell its column layers (with
     `sequence_dim`, in training mode: the gathered sequence, and the shard it came from)."""
@@ -46,12 +54,7 @@ class _RegionEntry:
     def __call__(self, module, args, kwargs):
         key = None if args else ("hidden_states" if "hidden_states" in kwargs else next(iter(kwargs)))
         x = args[0] if args else kwargs[key]
-        shard = None
-        if self.sequence_dim is not None and module.training:
-            shard = (x, SequenceShard(self.sequence_dim, self.group))
-            entered = gather_from_sequence(x, self.sequence_dim, self.group)
-        else:
-            entered = copy_to_tp(x, self.group)
+        entered, shard = enter_region(x, self.group, self.sequence_dim if module.training else None)
         for column in self.columns:
             column.copied_input, column.copied_shard = entered, shard
         if args:

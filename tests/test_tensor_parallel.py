@@ -12,7 +12,7 @@ from booster_plugin import Booster, HybridParallelPlugin
 from shardformer.policies import get_autopolicy
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
-from tests.test_lora import check_lora
+from tests.test_lora import _train_like_peft, check_lora
 
 KINDS = ("gpt2_lm", "llama_lm", "bert_mlm", "bert_cls")
 SP_MODES = ("split_gather", "all_to_all")
@@ -46,6 +46,8 @@ def _two_ranks():
     _check_sequence_parallelism()
     for mode in SP_MODES:
         _check_dropout_keeps_replicas_identical(enable_sequence_parallelism=True, sequence_parallelism_mode=mode)
+    # LoRA with sequence parallelism: GPT-2's fused c_attn is not a tp region, so its LoRA layer gathers the sequence
+    _train_like_peft("gpt2_lm", tp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
         _check_sequence_shards(sequence_parallelism_mode=mode)
     _check_generation_matches(("llama_lm",), enable_sequence_parallelism=True)  # eval mode: no split, any length
 

@@ -19,8 +19,8 @@ def sum_grad_over_tp(param: Tensor, group: ProcessGroup | None) -> None:
     add up): for a replicated parameter that sees only this rank's part of a split activation. Once per parameter
     (a second call does nothing); the flag `param._grad_summed_over_tp` tells a parameter re-created later (lazy
     initialization) to get the hook again."""
-    if getattr(param, "_grad_summed_over_tp", False) or get_tp_world_size(group) == 1:
-        return
+    if getattr(param, "_grad_summed_over_tp", False) or get_tp_world_size(group) == 1 or not param.requires_grad:
+        return  # (a frozen parameter, e.g. a LoRA base weight, has no gradient to sum)
     param.register_hook(functools.partial(_summed, group=group))
     param._grad_summed_over_tp = True
 

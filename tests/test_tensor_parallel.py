@@ -46,9 +46,9 @@ def _two_ranks():
     _check_sequence_parallelism()
     for mode in SP_MODES:
         _check_dropout_keeps_replicas_identical(enable_sequence_parallelism=True, sequence_parallelism_mode=mode)
+        _check_sequence_shards(sequence_parallelism_mode=mode)
     # LoRA with sequence parallelism: GPT-2's fused c_attn is not a tp region, so its LoRA layer gathers the sequence
     _train_like_peft("gpt2_lm", tp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
-        _check_sequence_shards(sequence_parallelism_mode=mode)
     _check_generation_matches(("llama_lm",), enable_sequence_parallelism=True)  # eval mode: no split, any length
 
 

@@ -10,6 +10,7 @@ tests that leave the group unusable on purpose (e.g. a collective called on one 
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import socket
 import time
@@ -31,11 +32,18 @@ def _free_port() -> int:
 
 
 def _end_task() -> bool:
-    """Per-task cleanup on a rank: stop the failure guard's watchdog; True if a rank failure was published."""
+    """Per-task cleanup on a rank: stop the failure guard's watchdog and destroy the task's subgroups (each gloo
+    group keeps threads and connections); True if a rank failure was published."""
+    from torch.distributed.distributed_c10d import _world
+
     from booster_plugin.failure import _KEY, FailureGuard, _default_store
     if FailureGuard._shared is not None:
         FailureGuard._shared.close()
         FailureGuard._shared = None
+    for group in list(_world.pg_map):
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    gc.collect()
     store = _default_store()
     return bool(store is not None and store.check([_KEY]))
 

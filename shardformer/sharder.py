@@ -283,8 +283,8 @@ class Sharder:
                     setattr(parent, attr, source)
 
     def _enter_tp_regions_once(self) -> None:
-        """One copy_to_tp at the input of a region (e.g. attention) instead of one per column layer inside it; a
-        column layer whose input is not exactly the region's copied input still copies its own."""
+        """One copy_to_tp of a region's input (e.g. attention's) shared by the column layers inside it that read
+        exactly that input, instead of one per layer; a column layer reading anything else copies its own."""
         from .layer import ColumnParallelLinear, copy_to_tp
 
         group, prefix = self.shard_config.tensor_parallel_process_group, self.policy.base_prefix
@@ -329,34 +329,46 @@ class Sharder:
                 wrap_module_forward_in_shared_rng(module, tracker)
 
 
+class RegionInput:
+    """A region's input and its one copy to the tp region, made when the first column layer reads exactly that input
+    (so only those layers' partial input gradients are summed over tp; other uses of the input inside the region,
+    e.g. a padding mask applied before the projections, keep their full gradients)."""
+
+    def __init__(self, source, group, copy_to_tp) -> None:
+        self.source, self.group, self.copy_to_tp, self._copied = source, group, copy_to_tp, None
+
+    def copied(self):
+        if self._copied is None:
+            self._copied = self.copy_to_tp(self.source, self.group)
+        return self._copied
+
+
 class _RegionEntry:
-    """Forward pre-hook: copy the region's input to the tp region once and tell its column layers."""
+    """Forward pre-hook: tell the region's column layers its input (they share one copy_to_tp of it)."""
 
     def __init__(self, columns, group, copy_to_tp) -> None:
         self.columns, self.group, self.copy_to_tp = columns, group, copy_to_tp
 
     def __call__(self, module, args, kwargs):
         if args:
-            copied = self.copy_to_tp(args[0], self.group)
-            args = (copied, *args[1:])
+            source = args[0]
         else:
-            key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
-            copied = self.copy_to_tp(kwargs[key], self.group)
-            kwargs = {**kwargs, key: copied}
+            source = kwargs["hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))]
+        shared = RegionInput(source, self.group, self.copy_to_tp)
         for column in self.columns:
-            column.copied_input = copied
-        return args, kwargs
+            column.region_input = shared
+        return None
 
 
 class _RegionExit:
-    """Forward hook: forget the region's copied input (no reference kept past the region's forward)."""
+    """Forward hook: forget the region's input (no reference kept past the region's forward)."""
 
     def __init__(self, columns) -> None:
         self.columns = columns
 
     def __call__(self, module, args, output):
         for column in self.columns:
-            column.copied_input = None
+            column.region_input = None
 
 
 class _ParallelCausalLMLoss:

@@ -79,10 +79,10 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         self.gather_output_in_eval = False
         self.is_conv1d = is_conv1d
         self.n_fused = n_fused
-        # the enclosing module's input after its one copy_to_tp (set by the sharder's region hooks while the module
-        # runs): sibling projections (q, k, v; gate, up) that read exactly it all-reduce their summed input gradient
-        # once, not once each; any other input is copied here
-        self.copied_input: Tensor | None = None
+        # the enclosing module's input (a sharder.RegionInput, set by the sharder's region hooks while the module
+        # runs): sibling projections (q, k, v; gate, up) that read exactly it share one copy_to_tp, so their summed
+        # input gradient is all-reduced once, not once each; any other input is copied here
+        self.region_input = None
 
         shape = (in_features, self.out_features) if is_conv1d else (self.out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -131,8 +131,8 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
-        if x is not self.copied_input:
-            x = copy_to_tp(x, self.tp_group)
+        region = self.region_input
+        x = region.copied() if region is not None and x is region.source else copy_to_tp(x, self.tp_group)
         weight = self.weight.t() if self.is_conv1d else self.weight
         out = F.linear(x, weight, self.bias)
         return self.gather(out) if self.gathers_output else out

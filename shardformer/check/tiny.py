@@ -1,5 +1,13 @@
 """Tiny configs for any transformers family: its own defaults with small sizes, built through the config's
-constructor so that derived fields (layer_types, head_dim, sliding patterns) follow."""
+constructor so that derived fields (layer_types, head_dim, sliding patterns) follow.
+
+What is resized, from the defaults' own structure (no per-family code):
+- the TINY sizes the config has attributes for; every dropout to 0;
+- per-layer lists (as long as the default layer count: `layer_types`, sparsity patterns) take the family's distinct
+  values in turn over the new layer count; counts of special layers (`num_kv_shared_layers`) scale with it;
+- RoPE given per layer type but empty by default gets the default RoPE for each type;
+- sub-configs (a vision or audio encoder the text model carries) get small sizes too, when they accept them.
+"""
 from __future__ import annotations
 
 import importlib
@@ -11,6 +19,8 @@ TINY: Dict[str, Any] = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
     "sliding_window": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "use_cache": False,
 }
+# counts of layers of a special kind, scaled with the layer count (rounded, at least 1 when the default has some)
+LAYER_COUNTS = ("num_kv_shared_layers",)
 
 
 def tiny_config(config_class, **overrides):
@@ -20,13 +30,48 @@ def tiny_config(config_class, **overrides):
     for key, value in vars(defaults).items():
         if isinstance(value, float) and not isinstance(value, bool) and ("dropout" in key or key.endswith("pdrop")):
             kwargs[key] = 0.0
-    types = getattr(defaults, "layer_types", None)
-    if isinstance(types, (list, tuple)) and types:  # the family's kinds, alternating over the new layer count
-        kinds = list(dict.fromkeys(types))
-        n = overrides.get("num_hidden_layers", kwargs.get("num_hidden_layers", len(types)))
-        kwargs["layer_types"] = [kinds[i % len(kinds)] for i in range(n)]
+    n_default = getattr(defaults, "num_hidden_layers", None)
+    n = overrides.get("num_hidden_layers", kwargs.get("num_hidden_layers", n_default))
+    for key, value in vars(defaults).items():
+        if key in kwargs or not isinstance(n_default, int) or n_default <= 0:
+            continue
+        if isinstance(value, (list, tuple)) and len(value) == n_default and value and \
+                all(isinstance(v, (str, int, float)) for v in value):  # per-layer values: the kinds in turn
+            kinds = list(dict.fromkeys(value))
+            kwargs[key] = [kinds[i % len(kinds)] for i in range(n)]
+        elif key in LAYER_COUNTS and isinstance(value, int) and value > 0:
+            kwargs[key] = max(1, round(value * n / n_default))
+    rope = getattr(defaults, "rope_parameters", None)
+    if rope == {} and isinstance(kwargs.get("layer_types"), list):  # per layer type, none by default
+        kwargs["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                     for kind in dict.fromkeys(kwargs["layer_types"])}
+    for key, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
+        if key not in overrides and isinstance(sub_class, type):
+            sub = _tiny_sub_config(sub_class)
+            if sub is not None:
+                kwargs[key] = sub
     kwargs.update(overrides)
     return config_class(**kwargs)
+
+
+def _tiny_sub_config(config_class):
+    """A sub-config (encoder of another modality) with small sizes, or None when it rejects them."""
+    try:
+        defaults = config_class()
+    except Exception:  # noqa: BLE001  (a sub-config without usable defaults: left to its parent)
+        return None
+    kwargs = {k: v for k, v in TINY.items() if hasattr(defaults, k) and not k.endswith(("token_id", "vocab_size"))}
+    for key, value in vars(defaults).items():
+        if isinstance(value, bool) or not isinstance(value, int) or key in kwargs:
+            continue
+        if key.endswith(("layers", "blocks", "depth")) and value > 2:
+            kwargs[key] = 2
+        elif ("channel" in key or key.endswith(("_size", "_dim"))) and value >= 256:
+            kwargs[key] = 32
+    try:
+        return config_class(**kwargs)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def model_class(name: str):

@@ -36,6 +36,7 @@ class Family(NamedTuple):
 
 
 def families(only: List[str]) -> List[Family]:
+    import transformers
     from transformers.models.auto import configuration_auto as ca, modeling_auto as ma
 
     out = []
@@ -53,15 +54,24 @@ def families(only: List[str]) -> List[Family]:
         name = causal or ma.MODEL_MAPPING_NAMES.get(model_type) or "-"
         if isinstance(name, (list, tuple)):
             name = name[0]
-        try:
-            defaults = config_class()
-        except Exception:  # noqa: BLE001
-            defaults = None
-        moe = any(str(s) in MOE_STYLES for s in tp_plan.values()) or \
-            any(getattr(defaults, a, 0) for a in MOE_ATTRS)
+        moe = _is_moe(config_class)
+        if causal:  # the class tested may take another config (llama4's causal LM is the MoE llama4_text's)
+            try:
+                moe = moe or _is_moe(getattr(transformers, name).config_class)
+            except Exception:  # noqa: BLE001  (a class that cannot be imported here: judged by its family's config)
+                pass
         kind = "MoE" if moe else ("dense decoder" if causal else "other")
         out.append(Family(model_type, name, kind))
     return out
+
+
+def _is_moe(config_class) -> bool:
+    try:
+        defaults = config_class()
+    except Exception:  # noqa: BLE001
+        defaults = None
+    tp_plan = getattr(config_class, "base_model_tp_plan", None) or {}
+    return any(str(s) in MOE_STYLES for s in tp_plan.values()) or any(getattr(defaults, a, 0) for a in MOE_ATTRS)
 
 
 def _run_families(todo: List[Family], path: str) -> None:

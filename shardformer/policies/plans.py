@@ -2,7 +2,9 @@
 
 - Pipeline: the model's `_pp_plan` (its config's `base_model_pp_plan` plus the head): the repeated module is the
   layer list, modules before it are the entry (first stage), modules after it the exit (last stage); modules
-  outside the base model (LM head, classifier) belong to the last stage.
+  outside the base model (LM head, classifier) belong to the last stage. A config without a pp plan gets one from
+  the base model's structure (`structural_pp_plan`): its children with parameters in registration order around
+  the one ModuleList the tp plan's `layers.*` patterns name.
 - Tensor parallel: the model's `_tp_plan` (its config's `base_model_tp_plan`, the head, and the input embedding
   transformers adds), each style name mapped onto our parallel layers (`STYLES`). A style we cannot honour
   exactly is refused, naming the module and the style.
@@ -76,13 +78,12 @@ class PlanPolicy(Policy):
         self.set_model(model)
         prefix = self.base_prefix
         pp_plan = _relative(getattr(model, "_pp_plan", None) or {}, prefix)
-        if not pp_plan[0]:
-            raise PlanRefused(f"{type(model).__name__} declares no pipeline plan (config.base_model_pp_plan).")
-        self.layers, self.entry, self.exit = self._split_pipeline(model.base_model, list(pp_plan[0]))
         base_plan, head_plan = _relative(getattr(model, "_tp_plan", None) or {}, prefix)
         self.tp_plan = {p: s for p, s in ((p, style_of(n, p, False)) for p, n in base_plan.items()) if s is not None}
         self.head_tp_plan = {p: s for p, s in ((p, style_of(n, p, True)) for p, n in head_plan.items())
                              if s is not None}
+        names = list(pp_plan[0]) or structural_pp_plan(model.base_model, base_plan)
+        self.layers, self.entry, self.exit = self._split_pipeline(model.base_model, names)
         self._split_raw_parameters(model.base_model)
         self._check_modules(model, prefix)
         columns = [p for p, s in self.tp_plan.items() if isinstance(s, Colwise)]
@@ -164,6 +165,27 @@ class PlanPolicy(Policy):
         if isinstance(types, (list, tuple)) and len(types) >= end:
             return {"layer_types": list(types[start:end])}
         return {}
+
+
+def structural_pp_plan(base: nn.Module, tp_plan: Dict[str, object]) -> List[str]:
+    """A pipeline plan for a base model whose config declares none, from its structure: its children with parameters
+    in registration order, around the one layer list (a ModuleList child the tp plan's `NAME.*.` patterns name).
+    Refused unless an embedding comes before the list and none after it."""
+    name = type(base).__name__
+    lists = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and len(m)
+             and any(p.startswith(n + ".*.") for p in tp_plan)]
+    if len(lists) != 1:
+        raise PlanRefused(f"{name} declares no pipeline plan (config.base_model_pp_plan) and its layer list cannot "
+                          f"be derived: the tp plan names {len(lists)} ModuleList children ({lists}); exactly one "
+                          f"is needed.")
+    names = [n for n, m in base.named_children() if n == lists[0] or next(m.parameters(), None) is not None]
+    i = names.index(lists[0])
+    embeds = [n for n in names if any(isinstance(m, nn.Embedding) for m in base.get_submodule(n).modules())]
+    if not embeds or names.index(embeds[0]) > i or any(names.index(n) > i for n in embeds):
+        raise PlanRefused(f"{name} declares no pipeline plan (config.base_model_pp_plan) and its structure does not "
+                          f"give one: the modules registered around its layers '{lists[0]}' are {names}; an "
+                          f"embedding must come before the layers and none after.")
+    return names
 
 
 def _relative(plan: Dict[str, object], prefix: str) -> Tuple[Dict[str, object], Dict[str, object]]:

@@ -5,7 +5,11 @@ What is resized, from the defaults' own structure (no per-family code):
 - the TINY sizes the config has attributes for; every dropout to 0;
 - per-layer lists (as long as the default layer count: `layer_types`, sparsity patterns) take the family's distinct
   values in turn over the new layer count; counts of special layers (`num_kv_shared_layers`) scale with it;
+- multi-head latent attention (a `*lora_rank`): its dims (`*_head_dim`) scale like `head_dim`, its low ranks
+  shrink, and it has as many key/value heads as query heads;
 - RoPE given per layer type but empty by default gets the default RoPE for each type;
+- a heterogeneous config's per-layer attributes (e.g. a larger head_dim on full-attention layers) follow their
+  layer's kind and are scaled like their global value;
 - sub-configs (a vision or audio encoder the text model carries) get small sizes too, when they accept them.
 """
 from __future__ import annotations
@@ -26,25 +30,39 @@ LAYER_COUNTS = ("num_kv_shared_layers",)
 def tiny_config(config_class, **overrides):
     """`config_class` with the TINY sizes it has attributes for, every dropout at 0, then `overrides`."""
     defaults = config_class()
-    kwargs = {k: v for k, v in TINY.items() if hasattr(defaults, k)}
+    kwargs = {k: v for k, v in TINY.items() if _has(defaults, k)}
+    mla = any(k.endswith("lora_rank") for k in vars(defaults))
+    if mla and "num_key_value_heads" in kwargs:  # latent attention expands its keys/values to every head
+        kwargs["num_key_value_heads"] = TINY["num_attention_heads"]
     for key, value in vars(defaults).items():
         if isinstance(value, float) and not isinstance(value, bool) and ("dropout" in key or key.endswith("pdrop")):
             kwargs[key] = 0.0
-    n_default = getattr(defaults, "num_hidden_layers", None)
+    n_default = _value(defaults, "num_hidden_layers")
     n = overrides.get("num_hidden_layers", kwargs.get("num_hidden_layers", n_default))
     for key, value in vars(defaults).items():
         if key in kwargs or not isinstance(n_default, int) or n_default <= 0:
             continue
-        if isinstance(value, (list, tuple)) and len(value) == n_default and value and \
+        if isinstance(value, (list, tuple)) and (len(value) == n_default or key == "layer_types") and value and \
                 all(isinstance(v, (str, int, float)) for v in value):  # per-layer values: the kinds in turn
             kinds = list(dict.fromkeys(value))
             kwargs[key] = [kinds[i % len(kinds)] for i in range(n)]
         elif key in LAYER_COUNTS and isinstance(value, int) and value > 0:
             kwargs[key] = max(1, round(value * n / n_default))
-    rope = getattr(defaults, "rope_parameters", None)
+    head_dim = _value(defaults, "head_dim")
+    for key, value in vars(defaults).items() if mla else ():  # latent attention's dims, scaled like head_dim
+        if key in kwargs or isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            continue
+        if key.endswith("_head_dim") and isinstance(head_dim, int) and head_dim > 0:
+            kwargs[key] = max(2, value * TINY["head_dim"] // head_dim)
+        elif key.endswith("lora_rank") and value > 16:
+            kwargs[key] = 16
+    rope = _value(defaults, "rope_parameters")
     if rope == {} and isinstance(kwargs.get("layer_types"), list):  # per layer type, none by default
         kwargs["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": 10000.0}
                                      for kind in dict.fromkeys(kwargs["layer_types"])}
+    per_layer = _per_layer_overrides(defaults, kwargs, n)
+    if per_layer:
+        kwargs["per_layer_config"] = per_layer
     for key, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
         if key not in overrides and isinstance(sub_class, type):
             sub = _tiny_sub_config(sub_class)
@@ -52,6 +70,45 @@ def tiny_config(config_class, **overrides):
                 kwargs[key] = sub
     kwargs.update(overrides)
     return config_class(**kwargs)
+
+
+_MISSING = object()
+
+
+def _value(config, key: str, default=None):
+    """config.key; a heterogeneous config's per-layer attribute reads its global value (no error)."""
+    try:
+        return getattr(config, key)
+    except AttributeError:
+        return default
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError
+        return vars(config).get(key, default)
+
+
+def _has(config, key: str) -> bool:
+    return _value(config, key, _MISSING) is not _MISSING
+
+
+def _per_layer_overrides(defaults, kwargs: Dict[str, Any], n: int) -> Dict[int, Dict[str, Any]]:
+    """A heterogeneous config's per-layer attributes for the tiny layers: each takes those of the first default
+    layer of its kind (`layer_types`; else the layer of its index), sizes scaled as their global value was."""
+    spec = vars(defaults).get("_heterogeneity_spec")
+    if spec is None:
+        return {}
+    kinds, tiny_kinds = vars(defaults).get("layer_types"), kwargs.get("layer_types")
+    out: Dict[int, Dict[str, Any]] = {}
+    for i in range(n):
+        source = kinds.index(tiny_kinds[i]) if kinds and tiny_kinds and tiny_kinds[i] in kinds else i
+        overrides = {}
+        for key, value in spec.per_layer_overrides.get(source, {}).items():
+            base = vars(defaults).get(key)
+            if key in kwargs and isinstance(value, int) and isinstance(base, int) and base > 0 and \
+                    isinstance(kwargs[key], int):
+                value = max(1, value * kwargs[key] // base)
+            overrides[key] = value
+        if overrides:
+            out[i] = overrides
+    return out
 
 
 def _tiny_sub_config(config_class):

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .layer.spec import TPSpec, get_tp_spec, shard_parameter
-from .policies.base import (Colwise, GradAllReduce, HeadEmbedding, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
-                            VocabHead, match)
+from .policies.base import (Colwise, GradAllReduce, HeadEmbedding, KVHeads, Policy, Rowwise, SharedTailGrad, SplitParam,
+                            VocabEmbedding, VocabHead, match)
 from .stage import (ChunkView, Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
                     stand_in_for)
 
@@ -223,7 +223,7 @@ class Sharder:
         from .layer import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_size,
                             vocab_parallel_lm_head)
         from .layer.head_embedding import HeadParallelEmbedding
-        from .layer.replicated import keep_own_head, sum_grads_over_tp
+        from .layer.replicated import keep_own_head, sum_grads_over_tp, sum_tail_grad_over_tp
         from .layer.vocab_split import shard_embedding_in_place
         from .layer.loss import parallel_causal_lm_loss
 
@@ -244,6 +244,9 @@ class Sharder:
                 continue
             elif isinstance(style, KVHeads):
                 keep_own_head(module, style.num_heads, group)
+                continue
+            elif isinstance(style, SharedTailGrad):
+                sum_tail_grad_over_tp(module, style.features, group)
                 continue
             elif isinstance(style, VocabEmbedding) and type(module).forward is not nn.Embedding.forward:
                 shard_embedding_in_place(module, group, multiple)  # its own forward (e.g. scaled) on local ids

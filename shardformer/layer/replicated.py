@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .comm import get_tp_rank, get_tp_world_size, reduce_from_tp
+from .comm import copy_to_tp, get_tp_rank, get_tp_world_size, reduce_from_tp
 
-__all__ = ["sum_grads_over_tp", "keep_own_head"]
+__all__ = ["sum_grads_over_tp", "keep_own_head", "sum_tail_grad_over_tp"]
 
 
 def sum_grads_over_tp(module: nn.Module, group: ProcessGroup | None) -> None:
@@ -33,3 +34,14 @@ def keep_own_head(module: nn.Module, num_heads: int, group: ProcessGroup | None)
     head_dim = out_features // num_heads
     module.register_forward_hook(functools.partial(_narrow, rank // (world // num_heads) * head_dim, head_dim))
     sum_grads_over_tp(module, group)
+
+
+def _tail_copied(features: int, group: ProcessGroup | None, module: nn.Module, args, out: Tensor) -> Tensor:
+    head, tail = out.split([out.shape[-1] - features, features], dim=-1)
+    return torch.cat([head, copy_to_tp(tail, group)], dim=-1)
+
+
+def sum_tail_grad_over_tp(module: nn.Module, features: int, group: ProcessGroup | None) -> None:
+    """The last `features` features of `module`'s (replicated) output feed every rank's heads alike: their gradient,
+    each rank's from its own heads, is summed over the group (identity forward)."""
+    module.register_forward_hook(functools.partial(_tail_copied, features, group))

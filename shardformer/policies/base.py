@@ -66,12 +66,20 @@ class KVHeads:
 
 
 @dataclass(frozen=True)
+class SharedTailGrad:
+    """A replicated projection whose output's last `features` features every rank's heads use alike (the shared
+    rotary key of multi-head latent attention): their gradient, each rank's from its heads only, is summed."""
+    features: int
+
+
+@dataclass(frozen=True)
 class SplitParam:
     """A raw parameter (e.g. per-head attention sinks) split along `dim` over tp ranks."""
     dim: int = 0
 
 
-ParallelStyle = Colwise | Rowwise | GradAllReduce | KVHeads | SplitParam | VocabEmbedding | VocabHead | HeadEmbedding
+ParallelStyle = (Colwise | Rowwise | GradAllReduce | KVHeads | SharedTailGrad | SplitParam | VocabEmbedding | VocabHead
+                 | HeadEmbedding)
 
 
 class Policy:

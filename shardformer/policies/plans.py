@@ -18,8 +18,8 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from .base import (IDENTITY, INPUT, Colwise, GradAllReduce, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
-                   VocabHead, match)
+from .base import (IDENTITY, INPUT, Colwise, GradAllReduce, KVHeads, Policy, Rowwise, SharedTailGrad, SplitParam,
+                   VocabEmbedding, VocabHead, match)
 
 # transformers' style names (5.x, plus the 4.x spellings) -> our style; None: nothing to do (replicated)
 STYLES = {
@@ -41,7 +41,6 @@ STYLES = {
 REFUSED = {
     "moe_tp_experts": "mixture-of-experts layers are not supported yet",
     "moe_identity_expert": "mixture-of-experts layers are not supported yet",
-    "mla_kv_a_proj": "multi-head latent attention (MLA) is not supported yet",
     "packed_rowwise": "packed row-wise layers are not supported yet",
     "all_reduce": "an all-reduce after a module (shared experts) is not supported yet",
     "embedding_colwise": "column-split embeddings are not supported yet",
@@ -53,9 +52,15 @@ class PlanRefused(NotImplementedError):
     """The model's plans cannot be honoured exactly; the message names the module and the reason."""
 
 
-def style_of(name, path: str, head: bool):
+def style_of(name, path: str, head: bool, config=None):
     """Our style for a transformers style name (read defensively: case, spaces, unknown names)."""
     key = name.strip().lower() if isinstance(name, str) else None
+    if key == "mla_kv_a_proj":  # latent attention: the shared rotary key (the output's last qk_rope_head_dim)
+        rope = getattr(config, "qk_rope_head_dim", None)
+        if not isinstance(rope, int) or rope <= 0:
+            raise PlanRefused(f"tp plan of '{path}' uses style 'mla_kv_a_proj', whose shared rotary key has "
+                              f"config.qk_rope_head_dim features; this config has none.")
+        return SharedTailGrad(rope)
     if key in REFUSED:
         raise PlanRefused(f"tp plan of '{path}' uses style '{name}': {REFUSED[key]}.")
     if key not in STYLES:
@@ -79,8 +84,9 @@ class PlanPolicy(Policy):
         prefix = self.base_prefix
         pp_plan = _relative(getattr(model, "_pp_plan", None) or {}, prefix)
         base_plan, head_plan = _relative(getattr(model, "_tp_plan", None) or {}, prefix)
-        self.tp_plan = {p: s for p, s in ((p, style_of(n, p, False)) for p, n in base_plan.items()) if s is not None}
-        self.head_tp_plan = {p: s for p, s in ((p, style_of(n, p, True)) for p, n in head_plan.items())
+        self.tp_plan = {p: s for p, s in ((p, style_of(n, p, False, model.config)) for p, n in base_plan.items())
+                        if s is not None}
+        self.head_tp_plan = {p: s for p, s in ((p, style_of(n, p, True, model.config)) for p, n in head_plan.items())
                              if s is not None}
         names = list(pp_plan[0]) or structural_pp_plan(model.base_model, base_plan)
         self.layers, self.entry, self.exit = self._split_pipeline(model.base_model, names)
@@ -131,14 +137,26 @@ class PlanPolicy(Policy):
 
     def _split_activation_params(self, base: nn.Module) -> Dict[str, GradAllReduce]:
         """Modules with parameters inside a region whose column layers split their outputs (e.g. a learnable
-        activation between up and down projections) see only this rank's part: their gradients are summed."""
+        activation between up and down projections) see only this rank's part: their gradients are summed. Not
+        so on the region's replicated side: a Linear outside the plan (on split activations it would be
+        row-parallel), or a module sized like a column layer's input (e.g. the norm of a latent attention's
+        low-rank projection, which feeds a column layer)."""
         regions = [path for path, _ in _matching(base, self.local_rng_modules)]
         found = {}
-        for path, module in base.named_modules():
-            if any(path.startswith(r + ".") for r in regions) and next(module.parameters(recurse=False), None) \
-                    is not None and not any(match(p, path) for p in self.tp_plan):
+        for region in regions:
+            modules = [(p, m) for p, m in base.named_modules() if p.startswith(region + ".")]
+            column_inputs = {m.in_features for p, m in modules if isinstance(m, nn.Linear)
+                             and isinstance(self._style(p), Colwise)}
+            for path, module in modules:
+                own = list(module.parameters(recurse=False))
+                if not own or self._style(path) is not None or isinstance(module, nn.Linear) or \
+                        all(p.dim() == 1 and p.numel() in column_inputs for p in own):
+                    continue
                 found[path] = GradAllReduce()
         return found
+
+    def _style(self, path: str):
+        return next((s for p, s in self.tp_plan.items() if match(p, path)), None)
 
     def check_tp(self, config, tp_size: int) -> None:
         """As Policy.check_tp; with more tp ranks than key/value heads (a multiple of them), the key/value

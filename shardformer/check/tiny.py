@@ -3,6 +3,7 @@ constructor so that derived fields (layer_types, head_dim, sliding patterns) fol
 
 What is resized, from the defaults' own structure (no per-family code):
 - the TINY sizes the config has attributes for; every dropout to 0;
+- other vocabularies (`vocab_size*`) and hidden sizes (`hidden_size*`, scaled like hidden_size);
 - per-layer lists (as long as the default layer count: `layer_types`, sparsity patterns) take the family's distinct
   values in turn over the new layer count; counts of special layers (`num_kv_shared_layers`) scale with it;
 - multi-head latent attention (a `*lora_rank`): its dims (`*_head_dim`) scale like `head_dim`, its low ranks
@@ -48,6 +49,14 @@ def tiny_config(config_class, **overrides):
             kwargs[key] = [kinds[i % len(kinds)] for i in range(n)]
         elif key in LAYER_COUNTS and isinstance(value, int) and value > 0:
             kwargs[key] = max(1, round(value * n / n_default))
+    hidden = _value(defaults, "hidden_size")
+    for key, value in vars(defaults).items():  # other vocabularies and hidden sizes (e.g. per-layer embeddings)
+        if key in kwargs or isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            continue
+        if key.startswith("vocab_size"):
+            kwargs[key] = VOCAB
+        elif key.startswith("hidden_size") and isinstance(hidden, int) and hidden > 0:
+            kwargs[key] = max(4, value * TINY["hidden_size"] // hidden)
     head_dim = _value(defaults, "head_dim")
     for key, value in vars(defaults).items() if mla else ():  # latent attention's dims, scaled like head_dim
         if key in kwargs or isinstance(value, bool) or not isinstance(value, int) or value <= 0:

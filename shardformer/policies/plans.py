@@ -46,6 +46,15 @@ REFUSED = {
     "embedding_colwise": "column-split embeddings are not supported yet",
 }
 _NEEDS = {Colwise: nn.Linear, Rowwise: nn.Linear, VocabEmbedding: nn.Embedding}
+# config attributes with which a tp / pp plan is not exact when set (non-empty, not all zero), and why
+INEXACT_TP = {
+    "activation_sparsity_pattern": "its activation sparsity takes statistics over all intermediate features, "
+                                   "which the plan's column-parallel gate projection splits over tp ranks",
+}
+INEXACT_PP = {
+    "hidden_size_per_layer_input": "each layer reads its slice of the per-layer inputs by its position in the "
+                                   "model's loop, which a stage's shorter layer list shifts",
+}
 
 
 class PlanRefused(NotImplementedError):
@@ -105,8 +114,9 @@ class PlanPolicy(Policy):
     def _split_pipeline(self, base: nn.Module, names: List[str]) -> Tuple[str, Dict[str, str], Tuple[str, ...]]:
         lists = [i for i, n in enumerate(names) if isinstance(_get(base, n), nn.ModuleList)]
         if len(lists) != 1:
+            missing = [n for n in names if _get(base, n) is None]
             raise PlanRefused(f"pipeline plan {names} of {type(base).__name__} has {len(lists)} layer lists; "
-                              f"exactly one is needed.")
+                              f"exactly one is needed" + (f" (the model has no {missing})" if missing else "") + ".")
         i = lists[0]
         entry = {n: INPUT if isinstance(_get(base, n), nn.Embedding) else IDENTITY for n in names[:i]}
         return names[i], entry, tuple(names[i + 1:])
@@ -160,7 +170,10 @@ class PlanPolicy(Policy):
 
     def check_tp(self, config, tp_size: int) -> None:
         """As Policy.check_tp; with more tp ranks than key/value heads (a multiple of them), the key/value
-        projections are replicated instead (KVHeads) and each attention repeats its kv head for fewer query heads."""
+        projections are replicated instead (KVHeads) and each attention repeats its kv head for fewer query heads.
+        A config feature the plan cannot honour (INEXACT_TP) is refused."""
+        _refuse_features(self.model, INEXACT_TP if tp_size > 1 else {}, "tensor", "tp_size=1 (pipeline and data "
+                         "parallel)")
         kv, heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
         if "num_key_value_heads" in self.tp_divisible and kv and heads and tp_size > kv and tp_size % kv == 0:
             self.tp_divisible = tuple(a for a in self.tp_divisible if a != "num_key_value_heads")
@@ -177,12 +190,46 @@ class PlanPolicy(Policy):
             return
         super().check_tp(config, tp_size)
 
+    def layers_per_stage(self) -> List[int]:
+        if self.stage_manager.num_stages > 1:
+            _refuse_features(self.model, INEXACT_PP, "pipeline", "pp_size=1 (tensor and data parallel)")
+        split = super().layers_per_stage()
+        self._check_kv_sharing(split)
+        return split
+
+    def _check_kv_sharing(self, split: List[int]) -> None:
+        """Layers that reuse an earlier layer's keys/values (config.kv_sharing_modes, "reuse" reads the last
+        "store" layer of its kind) must be on that layer's stage: refused otherwise, on every rank."""
+        try:
+            modes = list(getattr(self.model.config, "kv_sharing_modes", None) or ())
+        except ValueError:
+            return
+        kinds = getattr(self.model.config, "layer_types", None) or [None] * len(modes)
+        stage_of = [s for s, k in enumerate(split) for _ in range(k)]
+        for i, mode in enumerate(modes[:len(stage_of)]):
+            if mode != "reuse":
+                continue
+            producer = max((j for j in range(i) if modes[j] == "store" and kinds[j] == kinds[i]), default=None)
+            if producer is not None and stage_of[producer] != stage_of[i]:
+                raise PlanRefused(f"{type(self.model).__name__}: layer {i} reuses the keys/values of layer {producer} "
+                                  f"(config.kv_sharing_modes), which the pipeline split {split} puts on another "
+                                  f"stage; give num_layers_per_stage keeping layers {producer}..{i} on one stage.")
+
     def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
         # the models' loops pick a layer's mask (and rotary) by its position in the loop over the held layers
         types = getattr(self.model.config, "layer_types", None)
         if isinstance(types, (list, tuple)) and len(types) >= end:
             return {"layer_types": list(types[start:end])}
         return {}
+
+
+def _refuse_features(model: nn.Module, features: Dict[str, str], kind: str, instead: str) -> None:
+    """Refuse (on every rank alike) a config that sets one of `features` (attribute -> why it is not exact)."""
+    for attr, why in features.items():
+        value = getattr(model.config, attr, None)
+        if value and (not isinstance(value, (list, tuple)) or any(value)):
+            raise PlanRefused(f"{type(model).__name__} cannot be {kind}-parallel with config.{attr}={value!r}: "
+                              f"{why}. Use {instead}.")
 
 
 def structural_pp_plan(base: nn.Module, tp_plan: Dict[str, object]) -> List[str]:

@@ -295,7 +295,10 @@ class Sharder:
             rel = path[len(prefix):] if path.startswith(prefix) else None
             if rel is None or not any(match(p, rel) for p in self.policy.tp_input_regions):
                 continue
-            columns = [m for m in region.modules() if isinstance(m, ColumnParallelLinear)]
+            # the modules whose input gradient covers this rank's split only (they carry `region_input`): column
+            # layers, and key/value projections kept whole that keep this rank's head
+            columns = [m for m in region.modules() if isinstance(m, ColumnParallelLinear) or
+                       hasattr(m, "region_input")]
             if columns:
                 region.register_forward_pre_hook(_RegionEntry(columns, group, copy_to_tp), with_kwargs=True)
                 region.register_forward_hook(_RegionExit(columns))

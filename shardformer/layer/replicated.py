@@ -32,8 +32,17 @@ def keep_own_head(module: nn.Module, num_heads: int, group: ProcessGroup | None)
         raise ValueError(f"tp_size={world} is not a multiple of the {num_heads} key/value heads of {module}.")
     out_features = module.weight.shape[0]
     head_dim = out_features // num_heads
+    module.region_input = None  # like a column layer: its input gradient covers this rank's head only
+    module.register_forward_pre_hook(functools.partial(_copied_input, group))
     module.register_forward_hook(functools.partial(_narrow, rank // (world // num_heads) * head_dim, head_dim))
     sum_grads_over_tp(module, group)
+
+
+def _copied_input(group: ProcessGroup | None, module: nn.Module, args):
+    """The input's gradient summed over the group: the region's shared copy when it reads exactly the region's
+    input (see sharder.RegionInput), else its own copy."""
+    x, region = args[0], module.region_input
+    return (region.copied() if region is not None and x is region.source else copy_to_tp(x, group), *args[1:])
 
 
 def _tail_copied(features: int, group: ProcessGroup | None, module: nn.Module, args, out: Tensor) -> Tensor:

@@ -194,12 +194,17 @@ class PlanPolicy(Policy):
         if self.stage_manager.num_stages > 1:
             _refuse_features(self.model, INEXACT_PP, "pipeline", "pp_size=1 (tensor and data parallel)")
         split = super().layers_per_stage()
-        self._check_kv_sharing(split)
+        self.check_split(split)
         return split
 
-    def _check_kv_sharing(self, split: List[int]) -> None:
-        """Layers that reuse an earlier layer's keys/values (config.kv_sharing_modes, "reuse" reads the last
-        "store" layer of its kind) must be on that layer's stage: refused otherwise, on every rank."""
+    def check_split(self, split: List[int]) -> None:
+        """Refuse a pipeline split (layers per stage; every rank decides the same one) that puts a layer reusing an
+        earlier layer's keys/values (config.kv_sharing_modes: "reuse" reads the last "store" layer of its kind)
+        on another stage than that layer.
+
+        Args:
+            split: layers of each stage, in order.
+        """
         try:
             modes = list(getattr(self.model.config, "kv_sharing_modes", None) or ())
         except ValueError:

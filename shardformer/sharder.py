@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .layer.spec import TPSpec, get_tp_spec, shard_parameter
-from .policies.base import (Colwise, GradAllReduce, HeadEmbedding, KVHeads, Policy, Rowwise, SharedTailGrad, SplitParam,
-                            VocabEmbedding, VocabHead, match)
+from .policies.base import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, Policy, Rowwise, SharedTailGrad,
+                            SplitParam, VocabEmbedding, VocabHead, match)
 from .stage import (ChunkView, Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
                     stand_in_for)
 
@@ -223,6 +223,7 @@ class Sharder:
         from .layer import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_size,
                             vocab_parallel_lm_head)
         from .layer.head_embedding import HeadParallelEmbedding
+        from .layer.experts import split_experts
         from .layer.replicated import keep_own_head, sum_grads_over_tp, sum_tail_grad_over_tp
         from .layer.vocab_split import shard_embedding_in_place
         from .layer.loss import parallel_causal_lm_loss
@@ -248,6 +249,9 @@ class Sharder:
             elif isinstance(style, SharedTailGrad):
                 sum_tail_grad_over_tp(module, style.features, group)
                 continue
+            elif isinstance(style, Experts):
+                split_experts(module, group)
+                continue
             elif isinstance(style, VocabEmbedding) and type(module).forward is not nn.Embedding.forward:
                 shard_embedding_in_place(module, group, multiple)  # its own forward (e.g. scaled) on local ids
                 continue
@@ -267,11 +271,11 @@ class Sharder:
             else:
                 raise TypeError(f"Unknown parallel style {style!r} for {path}.")
             replace_submodule(self.model, path, new)
-        for name, p in list(self.model.named_parameters()):  # raw parameters split along heads (e.g. sinks)
+        for name, p in list(self.model.named_parameters()):  # raw parameters (e.g. sinks, stacked experts)
             style = self._style_of(name)
             if isinstance(style, SplitParam):
                 parent, attr = get_submodule_parent(self.model, name)
-                spec = TPSpec(style.dim % p.dim())
+                spec = TPSpec(style.dim % p.dim(), style.n_fused)
                 setattr(parent, attr, shard_parameter(p, spec, dist.get_rank(group), tp))
 
     def _retie(self, tied: List[List[str]]) -> None:
@@ -288,20 +292,13 @@ class Sharder:
     def _enter_tp_regions_once(self) -> None:
         """One copy_to_tp of a region's input (e.g. attention's) shared by the column layers inside it that read
         exactly that input, instead of one per layer; a column layer reading anything else copies its own."""
-        from .layer import ColumnParallelLinear, copy_to_tp
+        from .layer.region import share_region_input
 
         group, prefix = self.shard_config.tensor_parallel_process_group, self.policy.base_prefix
         for path, region in self.model.named_modules():
             rel = path[len(prefix):] if path.startswith(prefix) else None
-            if rel is None or not any(match(p, rel) for p in self.policy.tp_input_regions):
-                continue
-            # the modules whose input gradient covers this rank's split only (they carry `region_input`): column
-            # layers, and key/value projections kept whole that keep this rank's head
-            columns = [m for m in region.modules() if isinstance(m, ColumnParallelLinear) or
-                       hasattr(m, "region_input")]
-            if columns:
-                region.register_forward_pre_hook(_RegionEntry(columns, group, copy_to_tp), with_kwargs=True)
-                region.register_forward_hook(_RegionExit(columns))
+            if rel is not None and any(match(p, rel) for p in self.policy.tp_input_regions):
+                share_region_input(region, group)
 
     def _change_attributes(self) -> None:
         tp, prefix = self.shard_config.tp_size, self.policy.base_prefix
@@ -333,48 +330,6 @@ class Sharder:
                 wrap_module_forward_in_local_rng(module, tracker)
             elif any(match(p, rel) for p in self.policy.shared_rng_modules):
                 wrap_module_forward_in_shared_rng(module, tracker)
-
-
-class RegionInput:
-    """A region's input and its one copy to the tp region, made when the first column layer reads exactly that input
-    (so only those layers' partial input gradients are summed over tp; other uses of the input inside the region,
-    e.g. a padding mask applied before the projections, keep their full gradients)."""
-
-    def __init__(self, source, group, copy_to_tp) -> None:
-        self.source, self.group, self.copy_to_tp, self._copied = source, group, copy_to_tp, None
-
-    def copied(self):
-        if self._copied is None:
-            self._copied = self.copy_to_tp(self.source, self.group)
-        return self._copied
-
-
-class _RegionEntry:
-    """Forward pre-hook: tell the region's column layers its input (they share one copy_to_tp of it)."""
-
-    def __init__(self, columns, group, copy_to_tp) -> None:
-        self.columns, self.group, self.copy_to_tp = columns, group, copy_to_tp
-
-    def __call__(self, module, args, kwargs):
-        if args:
-            source = args[0]
-        else:
-            source = kwargs["hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))]
-        shared = RegionInput(source, self.group, self.copy_to_tp)
-        for column in self.columns:
-            column.region_input = shared
-        return None
-
-
-class _RegionExit:
-    """Forward hook: forget the region's input (no reference kept past the region's forward)."""
-
-    def __init__(self, columns) -> None:
-        self.columns = columns
-
-    def __call__(self, module, args, output):
-        for column in self.columns:
-            column.region_input = None
 
 
 class _ParallelCausalLMLoss:

@@ -33,6 +33,8 @@ COMPARED = {
     "Nemotron": "no pipeline plan: the split derived from the base model's structure",
     "MiniCPM3": "latent attention (mla_kv_a_proj); replicated modules reading an attention region's input",
     "Phi4Multimodal": "encoders no stage has a gradient for, kept on every stage (no AdamW step for them)",
+    "Qwen2Moe": "experts split over tp (moe_tp_experts: stacked gate|up by columns, down by rows), replicated router "
+                "and shared expert",
 }
 # 4 query heads, 2 key/value heads (with biases): tp=4 replicates each kv head on 2 ranks
 mu.MODELS["qwen2_gqa_lm"] = lambda n=4: transformers.Qwen2ForCausalLM(
@@ -84,9 +86,10 @@ def test_checker_cli_names_the_wrong_gradient(capsys):
 
 def test_refusals_name_module_and_style():
     """A plan that cannot be honoured exactly is refused before any collective, naming module and style."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-    with pytest.raises(PlanRefused, match=r"layers\.\*\.mlp\.experts.* 'moe_tp_experts': mixture-of-experts"):
-        get_autopolicy(MixtralForCausalLM(tiny_config(MixtralConfig, num_local_experts=2)))
+    model = mu.MODELS["qwen3_lm"]()
+    model._tp_plan = {**model._tp_plan, "model.layers.*.mlp": "all_reduce"}
+    with pytest.raises(PlanRefused, match=r"'layers\.\*\.mlp' uses style 'all_reduce': an all-reduce after a module"):
+        get_autopolicy(model)
     model = mu.MODELS["qwen3_lm"]()
     model._tp_plan = {**model._tp_plan, "model.layers.*.mlp.up_proj": "diagonal"}  # the plan transformers built
     with pytest.raises(PlanRefused, match=r"'layers\.\*\.mlp\.up_proj' uses style 'diagonal'"):

@@ -79,7 +79,7 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         self.gather_output_in_eval = False
         self.is_conv1d = is_conv1d
         self.n_fused = n_fused
-        # the enclosing module's input (a sharder.RegionInput, set by the sharder's region hooks while the module
+        # the enclosing module's input (a region.RegionInput, set by the sharder's region hooks while the module
         # runs): sibling projections (q, k, v; gate, up) that read exactly it share one copy_to_tp, so their summed
         # input gradient is all-reduced once, not once each; any other input is copied here
         self.region_input = None

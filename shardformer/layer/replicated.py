@@ -40,7 +40,7 @@ def keep_own_head(module: nn.Module, num_heads: int, group: ProcessGroup | None)
 
 def _copied_input(group: ProcessGroup | None, module: nn.Module, args):
     """The input's gradient summed over the group: the region's shared copy when it reads exactly the region's
-    input (see sharder.RegionInput), else its own copy."""
+    input (see region.RegionInput), else its own copy."""
     x, region = args[0], module.region_input
     return (region.copied() if region is not None and x is region.source else copy_to_tp(x, group), *args[1:])
 

@@ -74,12 +74,20 @@ class SharedTailGrad:
 
 @dataclass(frozen=True)
 class SplitParam:
-    """A raw parameter (e.g. per-head attention sinks) split along `dim` over tp ranks."""
+    """A raw parameter (per-head attention sinks, a mixture's stacked expert weights) split along `dim` over tp
+    ranks, in `n_fused` equal areas each split separately (an expert's gate|up)."""
     dim: int = 0
+    n_fused: int = 1
 
 
-ParallelStyle = (Colwise | Rowwise | GradAllReduce | KVHeads | SharedTailGrad | SplitParam | VocabEmbedding | VocabHead
-                 | HeadEmbedding)
+@dataclass(frozen=True)
+class Experts:
+    """Mixture-of-experts experts whose stacked weights are split over tp ranks (each rank computes its part of
+    every expert): their output is summed over tp, the gradients of their input and routing weights too."""
+
+
+ParallelStyle = (Colwise | Rowwise | GradAllReduce | KVHeads | SharedTailGrad | SplitParam | Experts | VocabEmbedding
+                 | VocabHead | HeadEmbedding)
 
 
 class Policy:

@@ -6,8 +6,10 @@
   the base model's structure (`structural_pp_plan`): its children with parameters in registration order around
   the one ModuleList the tp plan's `layers.*` patterns name.
 - Tensor parallel: the model's `_tp_plan` (its config's `base_model_tp_plan`, the head, and the input embedding
-  transformers adds), each style name mapped onto our parallel layers (`STYLES`). A style we cannot honour
-  exactly is refused, naming the module and the style.
+  transformers adds), each style name mapped onto our parallel layers (`STYLES`): column / row layers, raw
+  parameters split like a Linear's weight (attention sinks, stacked experts), mixture-of-experts experts
+  (`moe_tp_experts`), latent attention's shared rotary key (`mla_kv_a_proj`). A style we cannot honour exactly is
+  refused, naming the module and the style, and so are config features a plan cannot honour (INEXACT_TP/PP).
 - The rest comes from structure and config: tied weights are found by identity; a stage sees its own slice of
   `config.layer_types` (the models pick each layer's mask by its position in their loop); attention heads must
   split evenly.
@@ -18,8 +20,8 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from .base import (IDENTITY, INPUT, Colwise, GradAllReduce, KVHeads, Policy, Rowwise, SharedTailGrad, SplitParam,
-                   VocabEmbedding, VocabHead, match)
+from .base import (IDENTITY, INPUT, Colwise, Experts, GradAllReduce, KVHeads, Policy, Rowwise, SharedTailGrad,
+                   SplitParam, VocabEmbedding, VocabHead, match)
 
 # transformers' style names (5.x, plus the 4.x spellings) -> our style; None: nothing to do (replicated)
 STYLES = {
@@ -34,13 +36,13 @@ STYLES = {
     "rowwise_rep": Rowwise(split_input=True),
     "embedding_rowwise": VocabEmbedding(),
     "replicated_with_grad_allreduce": GradAllReduce(),
+    "moe_tp_experts": Experts(),
     "replicate": None,
     "local_params": None,  # the module's parameters are plain local tensors: ours always are
 }
 # known styles we refuse, with the reason
 REFUSED = {
-    "moe_tp_experts": "mixture-of-experts layers are not supported yet",
-    "moe_identity_expert": "mixture-of-experts layers are not supported yet",
+    "moe_identity_expert": "identity (zero-computation) experts are not supported yet",
     "packed_rowwise": "packed row-wise layers are not supported yet",
     "all_reduce": "an all-reduce after a module (shared experts) is not supported yet",
     "embedding_colwise": "column-split embeddings are not supported yet",
@@ -122,14 +124,20 @@ class PlanPolicy(Policy):
         return names[i], entry, tuple(names[i + 1:])
 
     def _split_raw_parameters(self, base: nn.Module) -> None:
-        """Plan entries naming a parameter, not a module (e.g. per-head `sinks`): split along heads."""
-        names = [n for n, _ in base.named_parameters()]
+        """Plan entries naming a parameter, not a module: split like a Linear's weight (as transformers does):
+        column-wise along dim -2 (per-head `sinks`: their only dim; stacked experts (E, out, in): out, in n_fused
+        areas for gate|up), row-wise along dim -1."""
+        params = list(base.named_parameters())
         for pattern, style in list(self.tp_plan.items()):
-            if not any(match(pattern, n) for n in names):
+            found = [p for n, p in params if match(pattern, n)]
+            if not found:
                 continue
-            if not isinstance(style, (Colwise, Rowwise)) or getattr(style, "n_fused", 1) != 1:
+            if not isinstance(style, (Colwise, Rowwise)) or getattr(style, "gather_output", False) or \
+                    getattr(style, "split_input", False):
                 raise PlanRefused(f"tp plan of parameter '{pattern}' uses {style}, which raw parameters cannot take.")
-            self.tp_plan[pattern] = SplitParam(0 if isinstance(style, Colwise) else -1)
+            column = isinstance(style, Colwise)
+            self.tp_plan[pattern] = SplitParam(-2 if column and found[0].dim() > 1 else -1,
+                                               style.n_fused if column else 1)
 
     def _check_modules(self, model: nn.Module, prefix: str) -> None:
         """Every plan entry must name modules of the kind its style shards (checked before any collective)."""
@@ -156,8 +164,8 @@ class PlanPolicy(Policy):
         for region in regions:
             modules = [(p, m) for p, m in base.named_modules() if p.startswith(region + ".")]
             column_inputs = {m.in_features for p, m in modules if isinstance(m, nn.Linear)
-                             and isinstance(self._style(p), Colwise)}
-            for path, module in modules:
+                             and isinstance(self._style(p), Colwise) and not self._style(p).gather_output}
+            for path, module in modules if column_inputs else ():  # (e.g. a sparse MoE block without them)
                 own = list(module.parameters(recurse=False))
                 if not own or self._style(path) is not None or isinstance(module, nn.Linear) or \
                         all(p.dim() == 1 and p.numel() in column_inputs for p in own):

@@ -3,10 +3,12 @@ config declares `base_model_tp_plan` or `base_model_pp_plan` is built from a tin
 trained one step with (tp, pp) = (2, 2) on 4 CPU processes against the unsharded model (loss, every gradient,
 parameters after AdamW). Writes docs/coverage.md.
 
-    python benchmarks/coverage.py [--only qwen3,gemma] [--out docs/coverage.md] [--log results.jsonl]
+    python benchmarks/coverage.py [--only qwen3,gemma] [--kind "dense decoder"] [--out docs/coverage.md]
+                                  [--log results.jsonl] [--table-only] [--note "how"]
 
 With --log, results are appended to that file and families it already holds a result for are not run again
-(resume; delete a family's lines to run it again).
+(resume; delete a family's lines to run it again). The table is written once the log holds every family
+(--kind runs one kind only; --table-only writes the table from the log without running).
 
 One process group runs the families in turn; when a family crashes a rank or hangs (gloo timeout), the group is
 restarted after it.
@@ -36,6 +38,7 @@ class Family(NamedTuple):
 
 
 def families(only: List[str]) -> List[Family]:
+    import transformers
     from transformers.models.auto import configuration_auto as ca, modeling_auto as ma
 
     out = []
@@ -53,15 +56,24 @@ def families(only: List[str]) -> List[Family]:
         name = causal or ma.MODEL_MAPPING_NAMES.get(model_type) or "-"
         if isinstance(name, (list, tuple)):
             name = name[0]
-        try:
-            defaults = config_class()
-        except Exception:  # noqa: BLE001
-            defaults = None
-        moe = any(str(s) in MOE_STYLES for s in tp_plan.values()) or \
-            any(getattr(defaults, a, 0) for a in MOE_ATTRS)
+        moe = _is_moe(config_class)
+        if causal:  # the class tested may take another config (llama4's causal LM is the MoE llama4_text's)
+            try:
+                moe = moe or _is_moe(getattr(transformers, name).config_class)
+            except Exception:  # noqa: BLE001  (a class that cannot be imported here: judged by its family's config)
+                pass
         kind = "MoE" if moe else ("dense decoder" if causal else "other")
         out.append(Family(model_type, name, kind))
     return out
+
+
+def _is_moe(config_class) -> bool:
+    try:
+        defaults = config_class()
+    except Exception:  # noqa: BLE001
+        defaults = None
+    tp_plan = getattr(config_class, "base_model_tp_plan", None) or {}
+    return any(str(s) in MOE_STYLES for s in tp_plan.values()) or any(getattr(defaults, a, 0) for a in MOE_ATTRS)
 
 
 def _run_families(todo: List[Family], path: str) -> None:
@@ -109,13 +121,20 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "coverage.md"))
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait")
     parser.add_argument("--log", help="results file (JSON lines) to resume from and append to")
+    parser.add_argument("--kind", default="", help="only families of this kind: 'dense decoder', 'MoE' or 'other'")
+    parser.add_argument("--table-only", action="store_true", help="write the table from --log without running")
+    parser.add_argument("--note", default="", help="how the log was produced (written under the table's title)")
     args = parser.parse_args()
     todo = families([t for t in args.only.split(",") if t])
     log = args.log or os.path.join(tempfile.mkdtemp(), "coverage.jsonl")
-    results = {k: v for k, v in _finished(log).items() if k in {f.model_type for f in todo}}
+    if args.table_only:
+        write_table(todo, _finished(log), args.out, args.note)
+        return
+    run = [f for f in todo if not args.kind or f.kind == args.kind]
+    results = {k: v for k, v in _finished(log).items() if k in {f.model_type for f in run}}
     start = time.time()
-    while len(results) < len(todo):
-        left = [f for f in todo if f.model_type not in results]
+    while len(results) < len(run):
+        left = [f for f in run if f.model_type not in results]
         reports = spawn(4, _run_families, left, log, timeout_s=args.timeout, total_s=3 * 3600)
         results = _finished(log)
         crashed = next((f for f in left if f.model_type not in results), None)
@@ -123,12 +142,16 @@ def main() -> None:
             errors = [r[2] for r in reports if r[1] == "error"]
             detail = errors[0].splitlines()[0][:300] if errors else "a rank hung or died"
             _append(log, {"model_type": crashed.model_type, "result": "fail", "detail": detail})
-            results = _finished(log)
-        print(f"{len(results)}/{len(todo)} families done ({time.time() - start:.0f} s)", flush=True)
-    write_table(todo, results, args.out, time.time() - start)
+            results = {k: v for k, v in _finished(log).items() if k in {f.model_type for f in run}}
+        print(f"{len(results)}/{len(run)} families done ({time.time() - start:.0f} s)", flush=True)
+    results = _finished(log)
+    if all(f.model_type in results for f in todo):
+        write_table(todo, results, args.out, args.note or f"one run of {(time.time() - start) / 60:.0f} min")
+    else:
+        print(f"{log} lacks some families: no table written (run the others, or give --only)")
 
 
-def write_table(todo: List[Family], results: Dict[str, Dict], out: str, seconds: float) -> None:
+def write_table(todo: List[Family], results: Dict[str, Dict], out: str, note: str) -> None:
     def result(f: Family) -> str:  # logs of older runs called the harness's own failures "refused"
         r = results[f.model_type]
         detail = str(r.get("detail", ""))
@@ -148,7 +171,9 @@ def write_table(todo: List[Family], results: Dict[str, Dict], out: str, seconds:
         "- pass: equal to the unsharded model; refused: a clear error before any collective (the reason); "
         "fail: a mismatch (the first one, by parameter order) or an error while training; untested: this script "
         "could not build a tiny model of the family (its config rejects the small sizes, or no auto class).",
-        f"- Produced by `python benchmarks/coverage.py` ({seconds / 60:.0f} min on this 2-core machine).",
+        "- A family is MoE when its config or the tested class's config declares experts (a `moe_*` tp style or "
+        "an expert count), dense decoder when it has a causal-LM class, other otherwise.",
+        f"- Produced by `python benchmarks/coverage.py --log coverage.jsonl` ({note}).",
         "",
         f"**Dense text decoders: {len(passed)} of {len(dense)} pass ({100 * len(passed) / max(len(dense), 1):.0f}%); "
         f"{len(passed)} of the {len(built)} this script could build ({100 * len(passed) / max(len(built), 1):.0f}%).**",

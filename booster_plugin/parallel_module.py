@@ -220,15 +220,18 @@ class HybridParallelModule(nn.Module):
                 bucket.launch(self.dp_group)
         for bucket in self._buckets:
             bucket.finish(self.dp_size)
+        # a shared parameter no stage produced a gradient for (e.g. an unused image encoder) keeps none, so that the
+        # optimizer skips it (no weight decay) as it would on one process
+        shared = [s for s, used in zip(self.shared_params, self._shared_used()) if used]
         if self.zero_stage == 2:  # a shared parameter has a bucket of its own: its slices agree across stages
-            for p, group, _ in self.shared_params:
-                if not p.requires_grad:
+            for p, group, _ in shared:
+                if not p.requires_grad:  # frozen (e.g. a tied embedding under LoRA): no gradient to sum
                     continue
                 bucket = self.bucket_of(p)
                 dist.all_reduce(bucket.shard_grad(self.dp_rank), group=group)
                 bucket.used = [True]
             return
-        for p, group, _ in self.shared_params:
+        for p, group, _ in shared:
             if not p.requires_grad:  # frozen (e.g. a tied embedding under LoRA): no gradient to sum
                 continue
             if p.grad is None:  # (ZeRO-1: in the bucket, whose slices the optimizer reads)
@@ -236,6 +239,22 @@ class HybridParallelModule(nn.Module):
             dist.all_reduce(p.grad, group=group)
             if self.zero_stage:
                 self.bucket_of(p).used = [True]
+
+    def _shared_used(self) -> List[bool]:
+        """For each shared parameter: has any stage holding it (any dp replica) a gradient? One all-reduce of
+        flags per group of stages, the groups in the order of their ranks (the same order on every rank)."""
+        local = [bool(self.bucket_of(p).used[0]) if self.zero_stage == 2 else p.grad is not None
+                 for p, _, _ in self.shared_params]
+        by_group: Dict[tuple, List[int]] = {}
+        for i, (_, group, _) in enumerate(self.shared_params):
+            by_group.setdefault(tuple(dist.get_process_group_ranks(group)), []).append(i)
+        for _, indices in sorted(by_group.items()):
+            p, group, _ = self.shared_params[indices[0]]
+            flags = torch.tensor([float(local[i]) for i in indices], device=p.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            for i, flag in zip(indices, flags.tolist()):
+                local[i] = flag > 0
+        return local
 
     @property
     def buckets(self) -> List[GradBucket]:

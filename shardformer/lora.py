@@ -23,7 +23,7 @@ from .layer.comm import get_tp_rank, get_tp_world_size
 from .layer.linear import ColumnParallelLinear, RowParallelLinear
 from .layer.replicated import sum_grads_over_tp
 from .layer.spec import TPSpec, shard_parameter
-from .regions import enter_region
+from .layer.region import enter_region
 
 __all__ = ["LoRAShardingError", "is_lora_layer", "native_module", "shards_adapters", "check_lora_layers",
            "shard_lora_layer"]
@@ -119,9 +119,10 @@ def shard_lora_layer(layer: nn.Module, style, group: Optional[ProcessGroup], rng
 
 
 class _CopyInputOnce:
-    """Forward hooks of a LoRA layer on a column-parallel base: base and lora_A read the same copied input. The
-    sharder's region hook may already have copied it (`base.copied_input`); otherwise it is copied here, and the
-    base's previous `copied_input` is restored after the layer's forward."""
+    """Forward hooks of a LoRA layer on a column-parallel base: base and lora_A read the same entered input. The
+    sharder's region hook may have made it (`base.region_input`, layer/region.py); otherwise the layer enters the
+    tp region here (a copy, or with split_gather the gathered sequence), and the base's previous region input is
+    restored after the layer's forward."""
 
     _UNSET = object()
 
@@ -132,14 +133,15 @@ class _CopyInputOnce:
     def pre(self, layer: nn.Module, args, kwargs):
         base = layer.base_layer
         x = args[0] if args else kwargs["x"]
-        if x is base.copied_input:
-            return None
-        self.previous = (base.copied_input, base.copied_shard)
-        base.copied_input, base.copied_shard = enter_region(x, self.group, base.sequence_dim if base.training else None)
+        region = base.region_input
+        if region is None or not region.holds(x):
+            self.previous = region
+            region = base.region_input = enter_region(x, self.group, base.sequence_dim if base.training else None)
+        entered = region.copied()
         if args:
-            return (base.copied_input, *args[1:]), kwargs
-        return args, {**kwargs, "x": base.copied_input}
+            return (entered, *args[1:]), kwargs
+        return args, {**kwargs, "x": entered}
 
     def post(self, layer: nn.Module, args, output) -> None:
         if self.previous is not self._UNSET:
-            (layer.base_layer.copied_input, layer.base_layer.copied_shard), self.previous = self.previous, self._UNSET
+            layer.base_layer.region_input, self.previous = self.previous, self._UNSET

@@ -1,23 +1,24 @@
-"""Tensor-parallel regions: the module (e.g. an attention or an MLP) whose column-parallel layers all read its input
-enters the tp region once, at its input, instead of once per column layer: one copy_to_tp (one all-reduce of the
-summed input gradient in backward) or, with split_gather sequence parallelism in training mode, one all-gather of
-the sequence shard (one reduce-scatter in backward). A column layer whose input is not exactly the region's entered
-input enters by itself."""
+"""Tensor-parallel regions: the module (e.g. an attention or an MLP) whose split-input modules (column-parallel
+layers, key/value projections kept whole) all read its input enters the tp region once for all of them (see
+layer/region.py): one copy_to_tp (one all-reduce of the summed input gradient in backward) or, with split_gather
+sequence parallelism in training mode, one all-gather of the sequence shard (one reduce-scatter in backward). A
+module whose input is not exactly the region's input enters by itself."""
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed import ProcessGroup
 
-from .layer import ColumnParallelLinear, SequenceShard, copy_to_tp, gather_from_sequence
+from .layer import ColumnParallelLinear
+from .layer.region import enter_region
 from .policies.base import Policy, match
 
 __all__ = ["enter_tp_regions_once"]
 
 
 def enter_tp_regions_once(model: nn.Module, policy: Policy, group: ProcessGroup, sequence_dim: Optional[int]) -> None:
-    """Hook the policy's `tp_input_regions` (base-relative patterns) that hold column layers.
+    """Hook the policy's `tp_input_regions` (base-relative patterns) that hold split-input modules.
 
     Args:
         model: the sharded model.
@@ -30,44 +31,38 @@ def enter_tp_regions_once(model: nn.Module, policy: Policy, group: ProcessGroup,
         rel = path[len(prefix):] if path.startswith(prefix) else None
         if rel is None or not any(match(p, rel) for p in policy.tp_input_regions):
             continue
-        columns = [m for m in region.modules() if isinstance(m, ColumnParallelLinear)]
-        if columns:
-            region.register_forward_pre_hook(_RegionEntry(columns, group, sequence_dim), with_kwargs=True)
-            region.register_forward_hook(_RegionExit(columns))
-
-
-def enter_region(x: Tensor, group: ProcessGroup, sequence_dim: Optional[int]) -> Tuple[Tensor, Optional[tuple]]:
-    """A tp region's input as its column layers read it, and the shard it came from: with `sequence_dim`
-    (split_gather, training) the sequence gathered from its shards, else `x` copied into the region."""
-    if sequence_dim is None:
-        return copy_to_tp(x, group), None
-    return gather_from_sequence(x, sequence_dim, group), (x, SequenceShard(sequence_dim, group))
+        members = [m for m in region.modules() if isinstance(m, ColumnParallelLinear) or hasattr(m, "region_input")]
+        if members:
+            region.register_forward_pre_hook(_RegionEntry(members, group, sequence_dim), with_kwargs=True)
+            region.register_forward_hook(_RegionExit(members))
 
 
 class _RegionEntry:
-    """Forward pre-hook: enter the tp region with the module's input once and tell its column layers (with
-    `sequence_dim`, in training mode: the gathered sequence, and the shard it came from)."""
+    """Forward pre-hook: tell the region's members its input. With `sequence_dim` in training mode the module's
+    input is replaced by the gathered sequence (everything inside the region sees the whole sequence)."""
 
-    def __init__(self, columns: List[ColumnParallelLinear], group: ProcessGroup, sequence_dim: Optional[int]) -> None:
-        self.columns, self.group, self.sequence_dim = columns, group, sequence_dim
+    def __init__(self, members: List[nn.Module], group: ProcessGroup, sequence_dim: Optional[int]) -> None:
+        self.members, self.group, self.sequence_dim = members, group, sequence_dim
 
     def __call__(self, module, args, kwargs):
         key = None if args else ("hidden_states" if "hidden_states" in kwargs else next(iter(kwargs)))
         x = args[0] if args else kwargs[key]
-        entered, shard = enter_region(x, self.group, self.sequence_dim if module.training else None)
-        for column in self.columns:
-            column.copied_input, column.copied_shard = entered, shard
+        region = enter_region(x, self.group, self.sequence_dim if module.training else None)
+        for member in self.members:
+            member.region_input = region
+        if region.shard is None:
+            return None
         if args:
-            return (entered, *args[1:]), kwargs
-        return args, {**kwargs, key: entered}
+            return (region.source, *args[1:]), kwargs
+        return args, {**kwargs, key: region.source}
 
 
 class _RegionExit:
-    """Forward hook: forget the region's entered input (no reference kept past the region's forward)."""
+    """Forward hook: forget the region's input (no reference kept past the region's forward)."""
 
-    def __init__(self, columns: List[ColumnParallelLinear]) -> None:
-        self.columns = columns
+    def __init__(self, members: List[nn.Module]) -> None:
+        self.members = members
 
     def __call__(self, module, args, output):
-        for column in self.columns:
-            column.copied_input = column.copied_shard = None
+        for member in self.members:
+            member.region_input = None

@@ -16,8 +16,8 @@ from .regions import enter_tp_regions_once
 from .sequence_parallel import (SEQUENCE_DIM, apply_sequence_parallelism, check_sequence_parallelism, inside_layers,
                                 sequence_span)
 from .lora import check_lora_layers
-from .policies.base import (Colwise, GradAllReduce, HeadEmbedding, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
-                            VocabHead, match)
+from .policies.base import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, Policy, Rowwise, SharedTailGrad,
+                            SplitParam, VocabEmbedding, VocabHead, match)
 from .stage import (ChunkView, Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
                     stand_in_for)
 
@@ -258,7 +258,8 @@ class Sharder:
         from .layer import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, padded_size,
                             vocab_parallel_lm_head)
         from .layer.head_embedding import HeadParallelEmbedding
-        from .layer.replicated import keep_own_head, sum_grads_over_tp
+        from .layer.experts import split_experts
+        from .layer.replicated import keep_own_head, sum_grads_over_tp, sum_tail_grad_over_tp
         from .layer.vocab_split import shard_embedding_in_place
         from .layer.loss import parallel_causal_lm_loss
         from .lora import shards_adapters, shard_lora_layer
@@ -284,6 +285,12 @@ class Sharder:
             elif isinstance(style, KVHeads):
                 keep_own_head(module, style.num_heads, group)
                 continue
+            elif isinstance(style, SharedTailGrad):
+                sum_tail_grad_over_tp(module, style.features, group)
+                continue
+            elif isinstance(style, Experts):
+                split_experts(module, group)
+                continue
             elif isinstance(style, VocabEmbedding) and type(module).forward is not nn.Embedding.forward:
                 shard_embedding_in_place(module, group, multiple)  # its own forward (e.g. scaled) on local ids
                 continue
@@ -303,11 +310,11 @@ class Sharder:
             else:
                 raise TypeError(f"Unknown parallel style {style!r} for {path}.")
             replace_submodule(self.model, path, new)
-        for name, p in list(self.model.named_parameters()):  # raw parameters split along heads (e.g. sinks)
+        for name, p in list(self.model.named_parameters()):  # raw parameters (e.g. sinks, stacked experts)
             style = self._style_of(name)
             if isinstance(style, SplitParam):
                 parent, attr = get_submodule_parent(self.model, name)
-                spec = TPSpec(style.dim % p.dim())
+                spec = TPSpec(style.dim % p.dim(), style.n_fused)
                 setattr(parent, attr, shard_parameter(p, spec, dist.get_rank(group), tp))
 
     def _retie(self, tied: List[List[str]]) -> None:

@@ -28,6 +28,14 @@ for _family in FAMILIES:
         lambda n=4, f=_family: getattr(transformers, f"{f}ForCausalLM")(
             tiny_config(getattr(transformers, f"{f}Config"), num_hidden_layers=n, **OVERRIDES.get(f, {}))))
 KINDS = [f"{f.lower()}_lm" for f in FAMILIES]
+# family -> what it exercises, checked with `compare` at (tp, pp) = (2, 2)
+COMPARED = {
+    "Nemotron": "no pipeline plan: the split derived from the base model's structure",
+    "MiniCPM3": "latent attention (mla_kv_a_proj); replicated modules reading an attention region's input",
+    "Phi4Multimodal": "encoders no stage has a gradient for, kept on every stage (no AdamW step for them)",
+    "Qwen2Moe": "experts split over tp (moe_tp_experts: stacked gate|up by columns, down by rows), replicated router "
+                "and shared expert",
+}
 # 4 query heads, 2 key/value heads (with biases): tp=4 replicates each kv head on 2 ranks
 mu.MODELS["qwen2_gqa_lm"] = lambda n=4: transformers.Qwen2ForCausalLM(
     tiny_config(transformers.Qwen2Config, num_hidden_layers=n))
@@ -54,6 +62,10 @@ def _four_ranks(kinds):
     mu.check_training("qwen2_gqa_lm", tp_size=4)
     build = mu.MODELS["qwen3_lm"]
     assert compare(build, 2, 2) == ("pass", "", compare(build, 2, 2).max_loss_error)
+    for family in COMPARED:
+        cls = getattr(transformers, f"{family}ForCausalLM")
+        verdict = compare(lambda: cls(tiny_config(cls.config_class)), 2, 2)
+        assert verdict.result == "pass", (family, verdict)
     verdict = compare(build, 2, 2, policy=Qwen3WithoutNormSum())
     assert verdict.result == "fail" and verdict.detail.startswith(
         "gradient of model.layers.0.self_attn.q_norm.weight differs"), verdict
@@ -74,10 +86,25 @@ def test_checker_cli_names_the_wrong_gradient(capsys):
 
 def test_refusals_name_module_and_style():
     """A plan that cannot be honoured exactly is refused before any collective, naming module and style."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-    with pytest.raises(PlanRefused, match=r"layers\.\*\.mlp\.experts.* 'moe_tp_experts': mixture-of-experts"):
-        get_autopolicy(MixtralForCausalLM(tiny_config(MixtralConfig, num_local_experts=2)))
+    model = mu.MODELS["qwen3_lm"]()
+    model._tp_plan = {**model._tp_plan, "model.layers.*.mlp": "all_reduce"}
+    with pytest.raises(PlanRefused, match=r"'layers\.\*\.mlp' uses style 'all_reduce': an all-reduce after a module"):
+        get_autopolicy(model)
     model = mu.MODELS["qwen3_lm"]()
     model._tp_plan = {**model._tp_plan, "model.layers.*.mlp.up_proj": "diagonal"}  # the plan transformers built
     with pytest.raises(PlanRefused, match=r"'layers\.\*\.mlp\.up_proj' uses style 'diagonal'"):
         get_autopolicy(model)
+
+
+def test_features_a_plan_cannot_honour_are_refused():
+    """Gemma3n's activation sparsity (statistics over the features tp splits) under tp; a pipeline split that puts
+    a layer and the one whose keys/values it reuses on different stages."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig, Gemma4UnifiedForCausalLM, Gemma4UnifiedTextConfig
+    model = Gemma3nForCausalLM(tiny_config(Gemma3nTextConfig))
+    with pytest.raises(PlanRefused, match=r"tensor-parallel with config\.activation_sparsity_pattern"):
+        get_autopolicy(model).check_tp(model.config, 2)
+    # 4 layers sliding/full in turn, the last one reuses the keys/values of layer 1 (the last full one before it)
+    policy = get_autopolicy(Gemma4UnifiedForCausalLM(tiny_config(Gemma4UnifiedTextConfig, num_kv_shared_layers=1)))
+    policy.check_split([1, 3])
+    with pytest.raises(PlanRefused, match=r"layer 3 reuses the keys/values of layer 1 .* split \[2, 2\]"):
+        policy.check_split([2, 2])

@@ -86,18 +86,30 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
         mismatches.append((-1, f"loss {got:.6g} != {want_loss:.6g}"))
     for name, p in model.unwrap().named_parameters():
         grad, want = p.grad, ref_grads.get(name)
+        grad = _full(p, grad, group) if grad is not None else None  # (collective over tp: on every rank alike)
         if (grad is None) != (want is None):
             mismatches.append((order[name], f"gradient of {name}: {'missing' if grad is None else 'unexpected'}"))
-        elif grad is not None and not _close(_full(p, grad, group), want, tol):
-            mismatches.append((order[name], f"gradient of {name} differs by {_error(_full(p, grad, group), want)}"))
-        if not _close(_full(p, p.data, group), ref_params[name].data, tol):
-            mismatches.append((order[name] + 0.5, f"parameter {name} after AdamW differs"))
+        elif grad is not None and not _close(grad, want, tol):
+            mismatches.append((order[name], f"gradient of {name} differs by {_error(grad, want)}"))
+        full, expected = _full(p, p.data, group), ref_params[name].data
+        if not _close(full, expected, tol):
+            mismatches.append((order[name] + 0.5, f"parameter {name} after AdamW differs by "
+                               f"{_error(full, expected)}" + _at_gradient(full, expected, grad, want)))
     everyone = [None] * world
     dist.all_gather_object(everyone, min(mismatches) if mismatches else None)
     found = sorted(m for m in everyone if m is not None)
     if found:
         return Verdict("fail", found[0][1], loss_error)
     return Verdict("pass", "", loss_error)
+
+
+def _at_gradient(actual, expected, grad, want) -> str:
+    """Where a parameter differs after the step: its gradient there (Adam's first step moves an element by
+    lr * g / (|g| + eps), so the rounding of a near-zero gradient is amplified up to lr / eps times)."""
+    if grad is None or want is None or actual.shape != expected.shape or grad.shape != want.shape:
+        return ""
+    i = int((actual.float() - expected.float()).abs().argmax())
+    return f" where its gradient is {float(grad.flatten()[i]):.3g} (unsharded: {float(want.flatten()[i]):.3g})"
 
 
 def _full(param: torch.Tensor, tensor: torch.Tensor, group) -> torch.Tensor:

@@ -1,5 +1,18 @@
 """Tiny configs for any transformers family: its own defaults with small sizes, built through the config's
-constructor so that derived fields (layer_types, head_dim, sliding patterns) follow."""
+constructor so that derived fields (layer_types, head_dim, sliding patterns) follow.
+
+What is resized, from the defaults' own structure (no per-family code):
+- the TINY sizes the config has attributes for; every dropout to 0;
+- other vocabularies (`vocab_size*`) and hidden sizes (`hidden_size*`, scaled like hidden_size);
+- per-layer lists (as long as the default layer count: `layer_types`, sparsity patterns) take the family's distinct
+  values in turn over the new layer count; counts of special layers (`num_kv_shared_layers`) scale with it;
+- multi-head latent attention (a `*lora_rank`): its dims (`*_head_dim`) scale like `head_dim`, its low ranks
+  shrink, and it has as many key/value heads as query heads;
+- RoPE given per layer type but empty by default gets the default RoPE for each type;
+- a heterogeneous config's per-layer attributes (e.g. a larger head_dim on full-attention layers) follow their
+  layer's kind and are scaled like their global value;
+- sub-configs (a vision or audio encoder the text model carries) get small sizes too, when they accept them.
+"""
 from __future__ import annotations
 
 import importlib
@@ -11,22 +24,120 @@ TINY: Dict[str, Any] = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
     "sliding_window": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "use_cache": False,
 }
+# counts of layers of a special kind, scaled with the layer count (rounded, at least 1 when the default has some)
+LAYER_COUNTS = ("num_kv_shared_layers",)
 
 
 def tiny_config(config_class, **overrides):
     """`config_class` with the TINY sizes it has attributes for, every dropout at 0, then `overrides`."""
     defaults = config_class()
-    kwargs = {k: v for k, v in TINY.items() if hasattr(defaults, k)}
+    kwargs = {k: v for k, v in TINY.items() if _has(defaults, k)}
+    mla = any(k.endswith("lora_rank") for k in vars(defaults))
+    if mla and "num_key_value_heads" in kwargs:  # latent attention expands its keys/values to every head
+        kwargs["num_key_value_heads"] = TINY["num_attention_heads"]
     for key, value in vars(defaults).items():
         if isinstance(value, float) and not isinstance(value, bool) and ("dropout" in key or key.endswith("pdrop")):
             kwargs[key] = 0.0
-    types = getattr(defaults, "layer_types", None)
-    if isinstance(types, (list, tuple)) and types:  # the family's kinds, alternating over the new layer count
-        kinds = list(dict.fromkeys(types))
-        n = overrides.get("num_hidden_layers", kwargs.get("num_hidden_layers", len(types)))
-        kwargs["layer_types"] = [kinds[i % len(kinds)] for i in range(n)]
+    n_default = _value(defaults, "num_hidden_layers")
+    n = overrides.get("num_hidden_layers", kwargs.get("num_hidden_layers", n_default))
+    for key, value in vars(defaults).items():
+        if key in kwargs or not isinstance(n_default, int) or n_default <= 0:
+            continue
+        if isinstance(value, (list, tuple)) and (len(value) == n_default or key == "layer_types") and value and \
+                all(isinstance(v, (str, int, float)) for v in value):  # per-layer values: the kinds in turn
+            kinds = list(dict.fromkeys(value))
+            kwargs[key] = [kinds[i % len(kinds)] for i in range(n)]
+        elif key in LAYER_COUNTS and isinstance(value, int) and value > 0:
+            kwargs[key] = max(1, round(value * n / n_default))
+    hidden = _value(defaults, "hidden_size")
+    for key, value in vars(defaults).items():  # other vocabularies and hidden sizes (e.g. per-layer embeddings)
+        if key in kwargs or isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            continue
+        if key.startswith("vocab_size"):
+            kwargs[key] = VOCAB
+        elif key.startswith("hidden_size") and isinstance(hidden, int) and hidden > 0:
+            kwargs[key] = max(4, value * TINY["hidden_size"] // hidden)
+    head_dim = _value(defaults, "head_dim")
+    for key, value in vars(defaults).items() if mla else ():  # latent attention's dims, scaled like head_dim
+        if key in kwargs or isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            continue
+        if key.endswith("_head_dim") and isinstance(head_dim, int) and head_dim > 0:
+            kwargs[key] = max(2, value * TINY["head_dim"] // head_dim)
+        elif key.endswith("lora_rank") and value > 16:
+            kwargs[key] = 16
+    rope = _value(defaults, "rope_parameters")
+    if rope == {} and isinstance(kwargs.get("layer_types"), list):  # per layer type, none by default
+        kwargs["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                     for kind in dict.fromkeys(kwargs["layer_types"])}
+    per_layer = _per_layer_overrides(defaults, kwargs, n)
+    if per_layer:
+        kwargs["per_layer_config"] = per_layer
+    for key, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
+        if key not in overrides and isinstance(sub_class, type):
+            sub = _tiny_sub_config(sub_class)
+            if sub is not None:
+                kwargs[key] = sub
     kwargs.update(overrides)
     return config_class(**kwargs)
+
+
+_MISSING = object()
+
+
+def _value(config, key: str, default=None):
+    """config.key; a heterogeneous config's per-layer attribute reads its global value (no error)."""
+    try:
+        return getattr(config, key)
+    except AttributeError:
+        return default
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError
+        return vars(config).get(key, default)
+
+
+def _has(config, key: str) -> bool:
+    return _value(config, key, _MISSING) is not _MISSING
+
+
+def _per_layer_overrides(defaults, kwargs: Dict[str, Any], n: int) -> Dict[int, Dict[str, Any]]:
+    """A heterogeneous config's per-layer attributes for the tiny layers: each takes those of the first default
+    layer of its kind (`layer_types`; else the layer of its index), sizes scaled as their global value was."""
+    spec = vars(defaults).get("_heterogeneity_spec")
+    if spec is None:
+        return {}
+    kinds, tiny_kinds = vars(defaults).get("layer_types"), kwargs.get("layer_types")
+    out: Dict[int, Dict[str, Any]] = {}
+    for i in range(n):
+        source = kinds.index(tiny_kinds[i]) if kinds and tiny_kinds and tiny_kinds[i] in kinds else i
+        overrides = {}
+        for key, value in spec.per_layer_overrides.get(source, {}).items():
+            base = vars(defaults).get(key)
+            if key in kwargs and isinstance(value, int) and isinstance(base, int) and base > 0 and \
+                    isinstance(kwargs[key], int):
+                value = max(1, value * kwargs[key] // base)
+            overrides[key] = value
+        if overrides:
+            out[i] = overrides
+    return out
+
+
+def _tiny_sub_config(config_class):
+    """A sub-config (encoder of another modality) with small sizes, or None when it rejects them."""
+    try:
+        defaults = config_class()
+    except Exception:  # noqa: BLE001  (a sub-config without usable defaults: left to its parent)
+        return None
+    kwargs = {k: v for k, v in TINY.items() if hasattr(defaults, k) and not k.endswith(("token_id", "vocab_size"))}
+    for key, value in vars(defaults).items():
+        if isinstance(value, bool) or not isinstance(value, int) or key in kwargs:
+            continue
+        if key.endswith(("layers", "blocks", "depth")) and value > 2:
+            kwargs[key] = 2
+        elif ("channel" in key or key.endswith(("_size", "_dim"))) and value >= 256:
+            kwargs[key] = 32
+    try:
+        return config_class(**kwargs)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def model_class(name: str):

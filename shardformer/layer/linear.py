@@ -137,14 +137,13 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         self.gather_output_in_eval = False
         self.is_conv1d = is_conv1d
         self.n_fused = n_fused
-        # the enclosing module's input after its one copy_to_tp (set by the sharder's region hooks while the module
-        # runs): sibling projections (q, k, v; gate, up) that read exactly it all-reduce their summed input gradient
-        # once, not once each; any other input is copied here
-        self.copied_input: Tensor | None = None
-        # split_gather sequence parallelism: the sequence dimension of the input (None: off), and, while the
-        # enclosing region runs, the shard its gathered `copied_input` came from
+        # the enclosing module's input (a region.RegionInput, set by the sharder's region hooks while the module
+        # runs): sibling projections (q, k, v; gate, up) that read exactly it share one entry into the tp region, so
+        # their summed input gradient is all-reduced (or, with sequence parallelism, reduce-scattered) once, not once
+        # each; any other input enters here
+        self.region_input = None
+        # split_gather sequence parallelism: the sequence dimension of the input (None: off)
         self.sequence_dim: int | None = None
-        self.copied_shard: tuple[Tensor, SequenceShard] | None = None
 
         shape = (in_features, self.out_features) if is_conv1d else (self.out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -193,19 +192,19 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
+        region = self.region_input
+        region = region if region is not None and region.holds(x) else None
         if self.sequence_dim is not None and self.training:
-            out = self._forward_on_sequence_shard(x)
+            out = self._forward_on_sequence_shard(x, region)
         else:
-            if x is not self.copied_input:
-                x = copy_to_tp(x, self.tp_group)
+            x = region.copied() if region is not None else copy_to_tp(x, self.tp_group)
             weight = self.weight.t() if self.is_conv1d else self.weight
             out = F.linear(x, weight, self.bias)
         return self.gather(out) if self.gathers_output else out
 
-    def _forward_on_sequence_shard(self, x: Tensor) -> Tensor:
-        if x is self.copied_input and self.copied_shard is not None:  # the region gathered it once for all
-            shard, source = self.copied_shard
-            full = x
+    def _forward_on_sequence_shard(self, x: Tensor, region) -> Tensor:
+        if region is not None and region.shard is not None:  # the region gathered it once for all
+            (shard, source), full = region.shard, x
         else:  # `x` is a sequence shard: gather it here
             shard, source = x, SequenceShard(self.sequence_dim, self.tp_group)
             full = gather_from_sequence(x, self.sequence_dim, self.tp_group)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .comm import get_tp_rank, get_tp_world_size
+from .comm import copy_to_tp, get_tp_rank, get_tp_world_size
 
-__all__ = ["sum_grads_over_tp", "sum_grad_over_tp", "keep_own_head"]
+__all__ = ["sum_grads_over_tp", "sum_grad_over_tp", "keep_own_head", "sum_tail_grad_over_tp"]
 
 
 def sum_grad_over_tp(param: Tensor, group: ProcessGroup | None) -> None:
@@ -48,5 +49,25 @@ def keep_own_head(module: nn.Module, num_heads: int, group: ProcessGroup | None)
         raise ValueError(f"tp_size={world} is not a multiple of the {num_heads} key/value heads of {module}.")
     out_features = module.weight.shape[0]
     head_dim = out_features // num_heads
+    module.region_input = None  # like a column layer: its input gradient covers this rank's head only
+    module.register_forward_pre_hook(functools.partial(_copied_input, group))
     module.register_forward_hook(functools.partial(_narrow, rank // (world // num_heads) * head_dim, head_dim))
     sum_grads_over_tp(module, group)
+
+
+def _copied_input(group: ProcessGroup | None, module: nn.Module, args):
+    """The input's gradient summed over the group: the region's shared copy when it reads exactly the region's
+    input (see region.RegionInput), else its own copy."""
+    x, region = args[0], module.region_input
+    return (region.copied() if region is not None and region.holds(x) else copy_to_tp(x, group), *args[1:])
+
+
+def _tail_copied(features: int, group: ProcessGroup | None, module: nn.Module, args, out: Tensor) -> Tensor:
+    head, tail = out.split([out.shape[-1] - features, features], dim=-1)
+    return torch.cat([head, copy_to_tp(tail, group)], dim=-1)
+
+
+def sum_tail_grad_over_tp(module: nn.Module, features: int, group: ProcessGroup | None) -> None:
+    """The last `features` features of `module`'s (replicated) output feed every rank's heads alike: their gradient,
+    each rank's from its own heads, is summed over the group (identity forward)."""
+    module.register_forward_hook(functools.partial(_tail_copied, features, group))

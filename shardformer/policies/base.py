@@ -66,12 +66,28 @@ class KVHeads:
 
 
 @dataclass(frozen=True)
+class SharedTailGrad:
+    """A replicated projection whose output's last `features` features every rank's heads use alike (the shared
+    rotary key of multi-head latent attention): their gradient, each rank's from its heads only, is summed."""
+    features: int
+
+
+@dataclass(frozen=True)
 class SplitParam:
-    """A raw parameter (e.g. per-head attention sinks) split along `dim` over tp ranks."""
+    """A raw parameter (per-head attention sinks, a mixture's stacked expert weights) split along `dim` over tp
+    ranks, in `n_fused` equal areas each split separately (an expert's gate|up)."""
     dim: int = 0
+    n_fused: int = 1
 
 
-ParallelStyle = Colwise | Rowwise | GradAllReduce | KVHeads | SplitParam | VocabEmbedding | VocabHead | HeadEmbedding
+@dataclass(frozen=True)
+class Experts:
+    """Mixture-of-experts experts whose stacked weights are split over tp ranks (each rank computes its part of
+    every expert): their output is summed over tp, the gradients of their input and routing weights too."""
+
+
+ParallelStyle = (Colwise | Rowwise | GradAllReduce | KVHeads | SharedTailGrad | SplitParam | Experts | VocabEmbedding
+                 | VocabHead | HeadEmbedding)
 
 
 class Policy:

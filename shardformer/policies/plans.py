@@ -2,10 +2,14 @@
 
 - Pipeline: the model's `_pp_plan` (its config's `base_model_pp_plan` plus the head): the repeated module is the
   layer list, modules before it are the entry (first stage), modules after it the exit (last stage); modules
-  outside the base model (LM head, classifier) belong to the last stage.
+  outside the base model (LM head, classifier) belong to the last stage. A config without a pp plan gets one from
+  the base model's structure (`structural_pp_plan`): its children with parameters in registration order around
+  the one ModuleList the tp plan's `layers.*` patterns name.
 - Tensor parallel: the model's `_tp_plan` (its config's `base_model_tp_plan`, the head, and the input embedding
-  transformers adds), each style name mapped onto our parallel layers (`STYLES`). A style we cannot honour
-  exactly is refused, naming the module and the style.
+  transformers adds), each style name mapped onto our parallel layers (`STYLES`): column / row layers, raw
+  parameters split like a Linear's weight (attention sinks, stacked experts), mixture-of-experts experts
+  (`moe_tp_experts`), latent attention's shared rotary key (`mla_kv_a_proj`). A style we cannot honour exactly is
+  refused, naming the module and the style, and so are config features a plan cannot honour (INEXACT_TP/PP).
 - The rest comes from structure and config: tied weights are found by identity; a stage sees its own slice of
   `config.layer_types` (the models pick each layer's mask by its position in their loop); attention heads must
   split evenly.
@@ -17,8 +21,8 @@ from typing import Dict, List, Optional, Tuple
 from torch import nn
 
 from ..lora import native_module
-from .base import (IDENTITY, INPUT, Colwise, GradAllReduce, KVHeads, Policy, Rowwise, SplitParam, VocabEmbedding,
-                   VocabHead, match)
+from .base import (IDENTITY, INPUT, Colwise, Experts, GradAllReduce, KVHeads, Policy, Rowwise, SharedTailGrad,
+                   SplitParam, VocabEmbedding, VocabHead, match)
 
 # transformers' style names (5.x, plus the 4.x spellings) -> our style; None: nothing to do (replicated)
 STYLES = {
@@ -33,28 +37,42 @@ STYLES = {
     "rowwise_rep": Rowwise(split_input=True),
     "embedding_rowwise": VocabEmbedding(),
     "replicated_with_grad_allreduce": GradAllReduce(),
+    "moe_tp_experts": Experts(),
     "replicate": None,
     "local_params": None,  # the module's parameters are plain local tensors: ours always are
 }
 # known styles we refuse, with the reason
 REFUSED = {
-    "moe_tp_experts": "mixture-of-experts layers are not supported yet",
-    "moe_identity_expert": "mixture-of-experts layers are not supported yet",
-    "mla_kv_a_proj": "multi-head latent attention (MLA) is not supported yet",
+    "moe_identity_expert": "identity (zero-computation) experts are not supported yet",
     "packed_rowwise": "packed row-wise layers are not supported yet",
     "all_reduce": "an all-reduce after a module (shared experts) is not supported yet",
     "embedding_colwise": "column-split embeddings are not supported yet",
 }
 _NEEDS = {Colwise: nn.Linear, Rowwise: nn.Linear, VocabEmbedding: nn.Embedding}
+# config attributes with which a tp / pp plan is not exact when set (non-empty, not all zero), and why
+INEXACT_TP = {
+    "activation_sparsity_pattern": "its activation sparsity takes statistics over all intermediate features, "
+                                   "which the plan's column-parallel gate projection splits over tp ranks",
+}
+INEXACT_PP = {
+    "hidden_size_per_layer_input": "each layer reads its slice of the per-layer inputs by its position in the "
+                                   "model's loop, which a stage's shorter layer list shifts",
+}
 
 
 class PlanRefused(NotImplementedError):
     """The model's plans cannot be honoured exactly; the message names the module and the reason."""
 
 
-def style_of(name, path: str, head: bool):
+def style_of(name, path: str, head: bool, config=None):
     """Our style for a transformers style name (read defensively: case, spaces, unknown names)."""
     key = name.strip().lower() if isinstance(name, str) else None
+    if key == "mla_kv_a_proj":  # latent attention: the shared rotary key (the output's last qk_rope_head_dim)
+        rope = getattr(config, "qk_rope_head_dim", None)
+        if not isinstance(rope, int) or rope <= 0:
+            raise PlanRefused(f"tp plan of '{path}' uses style 'mla_kv_a_proj', whose shared rotary key has "
+                              f"config.qk_rope_head_dim features; this config has none.")
+        return SharedTailGrad(rope)
     if key in REFUSED:
         raise PlanRefused(f"tp plan of '{path}' uses style '{name}': {REFUSED[key]}.")
     if key not in STYLES:
@@ -77,13 +95,13 @@ class PlanPolicy(Policy):
         self.set_model(model)
         prefix = self.base_prefix
         pp_plan = _relative(getattr(model, "_pp_plan", None) or {}, prefix)
-        if not pp_plan[0]:
-            raise PlanRefused(f"{type(model).__name__} declares no pipeline plan (config.base_model_pp_plan).")
-        self.layers, self.entry, self.exit = self._split_pipeline(model.base_model, list(pp_plan[0]))
         base_plan, head_plan = _relative(getattr(model, "_tp_plan", None) or {}, prefix)
-        self.tp_plan = {p: s for p, s in ((p, style_of(n, p, False)) for p, n in base_plan.items()) if s is not None}
-        self.head_tp_plan = {p: s for p, s in ((p, style_of(n, p, True)) for p, n in head_plan.items())
+        self.tp_plan = {p: s for p, s in ((p, style_of(n, p, False, model.config)) for p, n in base_plan.items())
+                        if s is not None}
+        self.head_tp_plan = {p: s for p, s in ((p, style_of(n, p, True, model.config)) for p, n in head_plan.items())
                              if s is not None}
+        names = list(pp_plan[0]) or structural_pp_plan(model.base_model, base_plan)
+        self.layers, self.entry, self.exit = self._split_pipeline(model.base_model, names)
         self._split_raw_parameters(model.base_model)
         self._check_modules(model, prefix)
         columns = [p for p, s in self.tp_plan.items() if isinstance(s, Colwise)]
@@ -99,21 +117,28 @@ class PlanPolicy(Policy):
     def _split_pipeline(self, base: nn.Module, names: List[str]) -> Tuple[str, Dict[str, str], Tuple[str, ...]]:
         lists = [i for i, n in enumerate(names) if isinstance(_get(base, n), nn.ModuleList)]
         if len(lists) != 1:
+            missing = [n for n in names if _get(base, n) is None]
             raise PlanRefused(f"pipeline plan {names} of {type(base).__name__} has {len(lists)} layer lists; "
-                              f"exactly one is needed.")
+                              f"exactly one is needed" + (f" (the model has no {missing})" if missing else "") + ".")
         i = lists[0]
         entry = {n: INPUT if isinstance(_get(base, n), nn.Embedding) else IDENTITY for n in names[:i]}
         return names[i], entry, tuple(names[i + 1:])
 
     def _split_raw_parameters(self, base: nn.Module) -> None:
-        """Plan entries naming a parameter, not a module (e.g. per-head `sinks`): split along heads."""
-        names = [n for n, _ in base.named_parameters()]
+        """Plan entries naming a parameter, not a module: split like a Linear's weight (as transformers does):
+        column-wise along dim -2 (per-head `sinks`: their only dim; stacked experts (E, out, in): out, in n_fused
+        areas for gate|up), row-wise along dim -1."""
+        params = list(base.named_parameters())
         for pattern, style in list(self.tp_plan.items()):
-            if not any(match(pattern, n) for n in names):
+            found = [p for n, p in params if match(pattern, n)]
+            if not found:
                 continue
-            if not isinstance(style, (Colwise, Rowwise)) or getattr(style, "n_fused", 1) != 1:
+            if not isinstance(style, (Colwise, Rowwise)) or getattr(style, "gather_output", False) or \
+                    getattr(style, "split_input", False):
                 raise PlanRefused(f"tp plan of parameter '{pattern}' uses {style}, which raw parameters cannot take.")
-            self.tp_plan[pattern] = SplitParam(0 if isinstance(style, Colwise) else -1)
+            column = isinstance(style, Colwise)
+            self.tp_plan[pattern] = SplitParam(-2 if column and found[0].dim() > 1 else -1,
+                                               style.n_fused if column else 1)
 
     def _check_modules(self, model: nn.Module, prefix: str) -> None:
         """Every plan entry must name modules of the kind its style shards (checked before any collective)."""
@@ -131,20 +156,37 @@ class PlanPolicy(Policy):
 
     def _split_activation_params(self, base: nn.Module) -> Dict[str, GradAllReduce]:
         """Modules with parameters inside a region whose column layers split their outputs (e.g. a learnable
-        activation between up and down projections) see only this rank's part: their gradients are summed. A
-        planned module's submodules (e.g. a LoRA layer's base layer and adapters) follow its style instead."""
+        activation between up and down projections) see only this rank's part: their gradients are summed. Not
+        so on the region's replicated side: a Linear outside the plan (on split activations it would be
+        row-parallel), or a module sized like a column layer's input (e.g. the norm of a latent attention's
+        low-rank projection, which feeds a column layer). A planned module's submodules (e.g. a LoRA layer's base
+        layer and adapters) follow its style instead."""
         regions = [path for path, _ in _matching(base, self.local_rng_modules)]
         planned = [path for path, _ in _matching(base, self.tp_plan)]
         found = {}
-        for path, module in base.named_modules():
-            if any(path.startswith(r + ".") for r in regions) and next(module.parameters(recurse=False), None) \
-                    is not None and not any(path == p or path.startswith(p + ".") for p in planned):
+        for region in regions:
+            modules = [(p, m) for p, m in base.named_modules() if p.startswith(region + ".")
+                       and not any(p.startswith(q + ".") for q in planned)]
+            column_inputs = {native_module(m).in_features for p, m in modules
+                             if isinstance(native_module(m), nn.Linear) and isinstance(self._style(p), Colwise)
+                             and not self._style(p).gather_output}
+            for path, module in modules if column_inputs else ():  # (e.g. a sparse MoE block without them)
+                own = list(module.parameters(recurse=False))
+                if not own or self._style(path) is not None or isinstance(module, nn.Linear) or \
+                        all(p.dim() == 1 and p.numel() in column_inputs for p in own):
+                    continue
                 found[path] = GradAllReduce()
         return found
 
+    def _style(self, path: str):
+        return next((s for p, s in self.tp_plan.items() if match(p, path)), None)
+
     def check_tp(self, config, tp_size: int) -> None:
         """As Policy.check_tp; with more tp ranks than key/value heads (a multiple of them), the key/value
-        projections are replicated instead (KVHeads) and each attention repeats its kv head for fewer query heads."""
+        projections are replicated instead (KVHeads) and each attention repeats its kv head for fewer query heads.
+        A config feature the plan cannot honour (INEXACT_TP) is refused."""
+        _refuse_features(self.model, INEXACT_TP if tp_size > 1 else {}, "tensor", "tp_size=1 (pipeline and data "
+                         "parallel)")
         kv, heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
         if "num_key_value_heads" in self.tp_divisible and kv and heads and tp_size > kv and tp_size % kv == 0:
             self.tp_divisible = tuple(a for a in self.tp_divisible if a != "num_key_value_heads")
@@ -161,12 +203,72 @@ class PlanPolicy(Policy):
             return
         super().check_tp(config, tp_size)
 
+    def layers_per_stage(self) -> List[int]:
+        if self.stage_manager.num_stages > 1:
+            _refuse_features(self.model, INEXACT_PP, "pipeline", "pp_size=1 (tensor and data parallel)")
+        split = super().layers_per_stage()
+        self.check_split(split)
+        return split
+
+    def check_split(self, split: List[int]) -> None:
+        """Refuse a pipeline split (layers per stage; every rank decides the same one) that puts a layer reusing an
+        earlier layer's keys/values (config.kv_sharing_modes: "reuse" reads the last "store" layer of its kind)
+        on another stage than that layer.
+
+        Args:
+            split: layers of each stage, in order.
+        """
+        try:
+            modes = list(getattr(self.model.config, "kv_sharing_modes", None) or ())
+        except ValueError:
+            return
+        kinds = getattr(self.model.config, "layer_types", None) or [None] * len(modes)
+        stage_of = [s for s, k in enumerate(split) for _ in range(k)]
+        for i, mode in enumerate(modes[:len(stage_of)]):
+            if mode != "reuse":
+                continue
+            producer = max((j for j in range(i) if modes[j] == "store" and kinds[j] == kinds[i]), default=None)
+            if producer is not None and stage_of[producer] != stage_of[i]:
+                raise PlanRefused(f"{type(self.model).__name__}: layer {i} reuses the keys/values of layer {producer} "
+                                  f"(config.kv_sharing_modes), which the pipeline split {split} puts on another "
+                                  f"stage; give num_layers_per_stage keeping layers {producer}..{i} on one stage.")
+
     def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
         # the models' loops pick a layer's mask (and rotary) by its position in the loop over the held layers
         types = getattr(self.model.config, "layer_types", None)
         if isinstance(types, (list, tuple)) and len(types) >= end:
             return {"layer_types": list(types[start:end])}
         return {}
+
+
+def _refuse_features(model: nn.Module, features: Dict[str, str], kind: str, instead: str) -> None:
+    """Refuse (on every rank alike) a config that sets one of `features` (attribute -> why it is not exact)."""
+    for attr, why in features.items():
+        value = getattr(model.config, attr, None)
+        if value and (not isinstance(value, (list, tuple)) or any(value)):
+            raise PlanRefused(f"{type(model).__name__} cannot be {kind}-parallel with config.{attr}={value!r}: "
+                              f"{why}. Use {instead}.")
+
+
+def structural_pp_plan(base: nn.Module, tp_plan: Dict[str, object]) -> List[str]:
+    """A pipeline plan for a base model whose config declares none, from its structure: its children with parameters
+    in registration order, around the one layer list (a ModuleList child the tp plan's `NAME.*.` patterns name).
+    Refused unless an embedding comes before the list and none after it."""
+    name = type(base).__name__
+    lists = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and len(m)
+             and any(p.startswith(n + ".*.") for p in tp_plan)]
+    if len(lists) != 1:
+        raise PlanRefused(f"{name} declares no pipeline plan (config.base_model_pp_plan) and its layer list cannot "
+                          f"be derived: the tp plan names {len(lists)} ModuleList children ({lists}); exactly one "
+                          f"is needed.")
+    names = [n for n, m in base.named_children() if n == lists[0] or next(m.parameters(), None) is not None]
+    i = names.index(lists[0])
+    embeds = [n for n in names if any(isinstance(m, nn.Embedding) for m in base.get_submodule(n).modules())]
+    if not embeds or names.index(embeds[0]) > i or any(names.index(n) > i for n in embeds):
+        raise PlanRefused(f"{name} declares no pipeline plan (config.base_model_pp_plan) and its structure does not "
+                          f"give one: the modules registered around its layers '{lists[0]}' are {names}; an "
+                          f"embedding must come before the layers and none after.")
+    return names
 
 
 def _relative(plan: Dict[str, object], prefix: str) -> Tuple[Dict[str, object], Dict[str, object]]:

@@ -18,7 +18,8 @@ def sum_grads_over_tp(module: nn.Module, group: ProcessGroup | None) -> None:
     """Each use's gradient of the module's parameters is summed over the group before it is accumulated (so the
     per-microbatch sums add up): for replicated parameters that see only this rank's part of a split activation."""
     for p in module.parameters():
-        p.register_hook(functools.partial(reduce_from_tp, group=group))
+        if p.requires_grad:  # (frozen ones, e.g. a router's statistics, have no gradient)
+            p.register_hook(functools.partial(reduce_from_tp, group=group))
 
 
 def _narrow(start: int, size: int, module: nn.Module, args, out: Tensor) -> Tensor:

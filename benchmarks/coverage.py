@@ -164,13 +164,21 @@ def write_table(todo: List[Family], results: Dict[str, Dict], out: str, note: st
         "# Coverage of plan-derived policies",
         "",
         "Every model family of the installed transformers whose config declares `base_model_tp_plan` or "
-        "`base_model_pp_plan`, built from a tiny config (hidden 32, 4 layers, 4 heads, 2 kv heads, head_dim 8, "
-        "vocab 100, sliding window 4, random weights) and trained one step with (tp, pp) = (2, 2) on 4 CPU "
-        "processes against the unsharded model: loss, every gradient and every parameter after AdamW at 1e-5.",
+        "`base_model_pp_plan`, built from a tiny config (`shardformer/check/tiny.py`: hidden 32, 4 layers, 4 heads, "
+        "2 kv heads, head_dim 8, vocab 100, sliding window 4, the family's layer kinds in turn, small sub-configs and "
+        "expert sizes; random weights) and trained one step with (tp, pp) = (2, 2) on 4 CPU processes against the "
+        "unsharded model: loss, every gradient and every parameter after AdamW (lr 1e-3, eps 1e-6) at 1e-5, fp32.",
         "",
         "- pass: equal to the unsharded model; refused: a clear error before any collective (the reason); "
-        "fail: a mismatch (the first one, by parameter order) or an error while training; untested: this script "
-        "could not build a tiny model of the family (its config rejects the small sizes, or no auto class).",
+        "fail: a mismatch (the loss, else the first gradient by parameter order, else the first parameter after "
+        "the step) or an error while training; untested: this script "
+        "could not build a tiny model of the family (its config rejects the small sizes, or no auto class), or the "
+        "unsharded model itself fails on the script's text-only batch.",
+        "- A fail naming only a parameter after AdamW, where its gradient is near zero and differs in the 8th "
+        "decimal (e.g. 1.31e-06 vs 1.37e-06 unsharded), is fp32 rounding of that gradient (summation order "
+        "differs under tp) amplified by Adam's first step, which moves an element by lr * g / (|g| + eps): up to "
+        "lr / eps = 1000 times the gradient's difference. Gradients are reported first, so every gradient of such a "
+        "family matched at 1e-5; the check is kept strict, so these stay counted as fails.",
         "- A family is MoE when its config or the tested class's config declares experts (a `moe_*` tp style or "
         "an expert count), dense decoder when it has a causal-LM class, other otherwise.",
         f"- Produced by `python benchmarks/coverage.py --log coverage.jsonl` ({note}).",

@@ -35,6 +35,7 @@ COMPARED = {
     "Phi4Multimodal": "encoders no stage has a gradient for, kept on every stage (no AdamW step for them)",
     "Qwen2Moe": "experts split over tp (moe_tp_experts: stacked gate|up by columns, down by rows), replicated router "
                 "and shared expert",
+    "DeepseekV3": "a router beside column-parallel shared experts (its gradient is not summed), dense first layers",
 }
 # 4 query heads, 2 key/value heads (with biases): tp=4 replicates each kv head on 2 ranks
 mu.MODELS["qwen2_gqa_lm"] = lambda n=4: transformers.Qwen2ForCausalLM(

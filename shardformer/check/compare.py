@@ -1,6 +1,7 @@
 """Compare a sharded model with the unsharded one on every rank of an initialized group: the loss of one training
 step, every gradient and every parameter after one AdamW step (fp32). Collective; the verdict is the same on every
-rank and names the first parameter (Hugging Face name, model order) that differs."""
+rank and names the first mismatch: the loss, else the first gradient (Hugging Face name, model order) that differs,
+else the first parameter after the step."""
 from __future__ import annotations
 
 import copy
@@ -79,27 +80,27 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
     group = plugin.tp_group if tp > 1 else None
     order = {n: i for i, (n, _) in enumerate(reference.named_parameters(remove_duplicate=False))}
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    mismatches = []
+    mismatches = []  # (0 loss/gradient, 1 parameter after the step; model order; message)
     got, want_loss = loss.detach().float().item(), ref_loss.detach().item()
     loss_error = abs(got - want_loss)
     if not loss_error <= tol * (1 + abs(want_loss)):
-        mismatches.append((-1, f"loss {got:.6g} != {want_loss:.6g}"))
+        mismatches.append((0, -1, f"loss {got:.6g} != {want_loss:.6g}"))
     for name, p in model.unwrap().named_parameters():
         grad, want = p.grad, ref_grads.get(name)
         grad = _full(p, grad, group) if grad is not None else None  # (collective over tp: on every rank alike)
         if (grad is None) != (want is None):
-            mismatches.append((order[name], f"gradient of {name}: {'missing' if grad is None else 'unexpected'}"))
+            mismatches.append((0, order[name], f"gradient of {name}: {'missing' if grad is None else 'unexpected'}"))
         elif grad is not None and not _close(grad, want, tol):
-            mismatches.append((order[name], f"gradient of {name} differs by {_error(grad, want)}"))
+            mismatches.append((0, order[name], f"gradient of {name} differs by {_error(grad, want)}"))
         full, expected = _full(p, p.data, group), ref_params[name].data
         if not _close(full, expected, tol):
-            mismatches.append((order[name] + 0.5, f"parameter {name} after AdamW differs by "
+            mismatches.append((1, order[name], f"parameter {name} after AdamW differs by "
                                f"{_error(full, expected)}" + _at_gradient(full, expected, grad, want)))
     everyone = [None] * world
     dist.all_gather_object(everyone, min(mismatches) if mismatches else None)
     found = sorted(m for m in everyone if m is not None)
     if found:
-        return Verdict("fail", found[0][1], loss_error)
+        return Verdict("fail", found[0][2], loss_error)
     return Verdict("pass", "", loss_error)
 
 

@@ -3,7 +3,8 @@ constructor so that derived fields (layer_types, head_dim, sliding patterns) fol
 
 What is resized, from the defaults' own structure (no per-family code):
 - the TINY sizes the config has attributes for; every dropout to 0;
-- other vocabularies (`vocab_size*`) and hidden sizes (`hidden_size*`, scaled like hidden_size);
+- other vocabularies (`vocab_size*`), hidden sizes (`hidden_size*`, scaled like hidden_size) and feed-forward
+  sizes (`*intermediate_size`, `*ffn_hidden_size`: experts');
 - per-layer lists (as long as the default layer count: `layer_types`, sparsity patterns) take the family's distinct
   values in turn over the new layer count; counts of special layers (`num_kv_shared_layers`) scale with it;
 - multi-head latent attention (a `*lora_rank`): its dims (`*_head_dim`) scale like `head_dim`, its low ranks
@@ -50,11 +51,13 @@ def tiny_config(config_class, **overrides):
         elif key in LAYER_COUNTS and isinstance(value, int) and value > 0:
             kwargs[key] = max(1, round(value * n / n_default))
     hidden = _value(defaults, "hidden_size")
-    for key, value in vars(defaults).items():  # other vocabularies and hidden sizes (e.g. per-layer embeddings)
+    for key, value in vars(defaults).items():  # other vocabularies and sizes (per-layer embeddings, experts)
         if key in kwargs or isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             continue
         if key.startswith("vocab_size"):
             kwargs[key] = VOCAB
+        elif key.endswith(("intermediate_size", "ffn_hidden_size")) and value > TINY["intermediate_size"]:
+            kwargs[key] = TINY["intermediate_size"]  # (experts', shared experts')
         elif key.startswith("hidden_size") and isinstance(hidden, int) and hidden > 0:
             kwargs[key] = max(4, value * TINY["hidden_size"] // hidden)
     head_dim = _value(defaults, "head_dim")

@@ -112,7 +112,7 @@ class PlanPolicy(Policy):
         config = model.config
         splits_heads = any(not s.gather_output for p, s in self.tp_plan.items() if isinstance(s, Colwise))
         self.tp_divisible = tuple(a for a in ("num_attention_heads", "num_key_value_heads")
-                                  if splits_heads and isinstance(getattr(config, a, None), int))
+                                  if splits_heads and all(isinstance(v, int) for v in _values(config, a)))
 
     def _split_pipeline(self, base: nn.Module, names: List[str]) -> Tuple[str, Dict[str, str], Tuple[str, ...]]:
         lists = [i for i, n in enumerate(names) if isinstance(_get(base, n), nn.ModuleList)]
@@ -158,9 +158,9 @@ class PlanPolicy(Policy):
         """Modules with parameters inside a region whose column layers split their outputs (e.g. a learnable
         activation between up and down projections) see only this rank's part: their gradients are summed. Not
         so on the region's replicated side: a Linear outside the plan (on split activations it would be
-        row-parallel), or a module sized like a column layer's input (e.g. the norm of a latent attention's
-        low-rank projection, which feeds a column layer). A planned module's submodules (e.g. a LoRA layer's base
-        layer and adapters) follow its style instead."""
+        row-parallel), or a module with a parameter dimension sized like a column layer's input (a router over
+        the hidden states; the norm of a latent attention's low-rank projection, which feeds a column layer). A
+        planned module's submodules (e.g. a LoRA layer's base layer and adapters) follow its style instead."""
         regions = [path for path, _ in _matching(base, self.local_rng_modules)]
         planned = [path for path, _ in _matching(base, self.tp_plan)]
         found = {}
@@ -173,7 +173,7 @@ class PlanPolicy(Policy):
             for path, module in modules if column_inputs else ():  # (e.g. a sparse MoE block without them)
                 own = list(module.parameters(recurse=False))
                 if not own or self._style(path) is not None or isinstance(module, nn.Linear) or \
-                        all(p.dim() == 1 and p.numel() in column_inputs for p in own):
+                        any(size in column_inputs for p in own for size in p.shape):
                     continue
                 found[path] = GradAllReduce()
         return found
@@ -187,7 +187,15 @@ class PlanPolicy(Policy):
         A config feature the plan cannot honour (INEXACT_TP) is refused."""
         _refuse_features(self.model, INEXACT_TP if tp_size > 1 else {}, "tensor", "tp_size=1 (pipeline and data "
                          "parallel)")
-        kv, heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
+        per_layer = {a: _values(config, a) for a in self.tp_divisible if len(_values(config, a)) > 1}
+        if per_layer and tp_size > 1:  # a heterogeneous config: every layer's heads split evenly
+            bad = {a: sorted(set(v)) for a, v in per_layer.items() if any(x % tp_size for x in v)}
+            if bad:
+                raise ValueError(f"tp_size={tp_size} does not divide the per-layer {bad} of "
+                                 f"{type(config).__name__}; give a tp size dividing every layer's.")
+            self.tp_divisible = tuple(a for a in self.tp_divisible if a not in per_layer)
+        kv, heads = (_values(config, a) for a in ("num_key_value_heads", "num_attention_heads"))
+        kv, heads = (v[0] if len(v) == 1 else None for v in (kv, heads))
         if "num_key_value_heads" in self.tp_divisible and kv and heads and tp_size > kv and tp_size % kv == 0:
             self.tp_divisible = tuple(a for a in self.tp_divisible if a != "num_key_value_heads")
             super().check_tp(config, tp_size)
@@ -235,10 +243,19 @@ class PlanPolicy(Policy):
 
     def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
         # the models' loops pick a layer's mask (and rotary) by its position in the loop over the held layers
-        types = getattr(self.model.config, "layer_types", None)
+        # (a config computing layer_types from other fields, e.g. Jamba's periods, keeps them: not settable)
+        types = vars(self.model.config).get("layer_types")
         if isinstance(types, (list, tuple)) and len(types) >= end:
             return {"layer_types": list(types[start:end])}
         return {}
+
+
+def _values(config, attr: str) -> List[object]:
+    """[config.attr], or a heterogeneous config's per-layer values of it (reading it globally raises there)."""
+    try:
+        return [getattr(config, attr, None)]
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError
+        return [getattr(layer, attr, None) for layer in config.per_layer_config]
 
 
 def _refuse_features(model: nn.Module, features: Dict[str, str], kind: str, instead: str) -> None:

@@ -2,7 +2,7 @@
 constructor so that derived fields (layer_types, head_dim, sliding patterns) follow.
 
 What is resized, from the defaults' own structure (no per-family code):
-- the TINY sizes the config has attributes for; every dropout to 0;
+- the TINY sizes the config has attributes for; every dropout and router jitter to 0;
 - other vocabularies (`vocab_size*`), hidden sizes (`hidden_size*`, scaled like hidden_size) and feed-forward
   sizes (`*intermediate_size`, `*ffn_hidden_size`: experts');
 - per-layer lists (as long as the default layer count: `layer_types`, sparsity patterns) take the family's distinct
@@ -30,14 +30,15 @@ LAYER_COUNTS = ("num_kv_shared_layers",)
 
 
 def tiny_config(config_class, **overrides):
-    """`config_class` with the TINY sizes it has attributes for, every dropout at 0, then `overrides`."""
+    """`config_class` with the TINY sizes it has attributes for, every dropout / jitter at 0, then `overrides`."""
     defaults = config_class()
     kwargs = {k: v for k, v in TINY.items() if _has(defaults, k)}
     mla = any(k.endswith("lora_rank") for k in vars(defaults))
     if mla and "num_key_value_heads" in kwargs:  # latent attention expands its keys/values to every head
         kwargs["num_key_value_heads"] = TINY["num_attention_heads"]
     for key, value in vars(defaults).items():
-        if isinstance(value, float) and not isinstance(value, bool) and ("dropout" in key or key.endswith("pdrop")):
+        if isinstance(value, float) and not isinstance(value, bool) and \
+                ("dropout" in key or "jitter" in key or key.endswith("pdrop")):  # (training-time randomness)
             kwargs[key] = 0.0
     n_default = _value(defaults, "num_hidden_layers")
     n = overrides.get("num_hidden_layers", kwargs.get("num_hidden_layers", n_default))

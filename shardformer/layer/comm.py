@@ -46,18 +46,16 @@ def _all_reduce(x: Tensor, group: ProcessGroup | None) -> Tensor:
     return out
 
 
-def _all_gather(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def _own_chunk(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+def _divisible(x: Tensor, dim: int, group: ProcessGroup | None) -> int:
+    """The group's size, which must divide x's size along `dim`."""
     world = dist.get_world_size(group)
     if x.size(dim) % world:
         raise ValueError(f"size {x.size(dim)} along dim {dim} is not divisible by the group size {world}")
-    step = x.size(dim) // world
+    return world
+
+
+def _own_chunk(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
+    step = x.size(dim) // _divisible(x, dim, group)
     return x.narrow(dim, dist.get_rank(group) * step, step).contiguous()
 
 
@@ -71,9 +69,7 @@ def all_gather_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
 
 def _reduce_scatter_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """This rank's chunk along `dim` of the sum over the group: one `reduce_scatter_single`."""
-    world = dist.get_world_size(group)
-    if x.size(dim) % world:
-        raise ValueError(f"size {x.size(dim)} along dim {dim} is not divisible by the group size {world}")
+    world = _divisible(x, dim, group)
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
     dist.reduce_scatter_single(out, src, group=group)
@@ -83,10 +79,7 @@ def _reduce_scatter_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Te
 def _all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup | None) -> Tensor:
     """Rank r sends its j-th chunk along `scatter_dim` to rank j and concatenates what it receives along
     `gather_dim`: one `all_to_all_single`."""
-    world = dist.get_world_size(group)
-    if x.size(scatter_dim) % world:
-        raise ValueError(f"size {x.size(scatter_dim)} along dim {scatter_dim} is not divisible by the group size "
-                         f"{world}")
+    world = _divisible(x, scatter_dim, group)
     src = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()
     out = torch.empty_like(src)
     dist.all_to_all_single(out, src, group=group)
@@ -123,56 +116,18 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    """Forward: all-gather and concatenate along `dim`. Backward: keep this rank's chunk."""
+class _AlongDim(torch.autograd.Function):
+    """Forward: `forward_op(x, dim, group)`. Backward: its adjoint `backward_op(grad, dim, group)` (gather / keep own
+    chunk, all-gather / reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _own_chunk(grad, ctx.dim, ctx.group), None, None
-
-
-class _SplitToTP(torch.autograd.Function):
-    """Forward: keep this rank's chunk along `dim`. Backward: all-gather the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _own_chunk(x, dim, group)
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup | None, forward_op, backward_op) -> Tensor:
+        ctx.dim, ctx.group, ctx.backward_op = dim, group, backward_op
+        return forward_op(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    """Forward: all-gather along `dim`. Backward: reduce-scatter (each rank's full-sequence gradient is partial)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
-        ctx.dim, ctx.group = dim, group
-        return all_gather_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """Forward: reduce-scatter along `dim`. Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return all_gather_along(grad, ctx.dim, ctx.group), None, None
+        return ctx.backward_op(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -201,24 +156,24 @@ def reduce_from_tp(x: Tensor, group: ProcessGroup | None) -> Tensor:
 
 def gather_from_tp(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Concatenate every rank's shard along `dim`; the gradient is split back."""
-    return x if get_tp_world_size(group) == 1 else _GatherFromTP.apply(x, dim, group)
+    return x if get_tp_world_size(group) == 1 else _AlongDim.apply(x, dim, group, all_gather_along, _own_chunk)
 
 
 def split_to_tp(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Keep this rank's equal chunk along `dim`; the gradient is gathered back."""
-    return x if get_tp_world_size(group) == 1 else _SplitToTP.apply(x, dim, group)
+    return x if get_tp_world_size(group) == 1 else _AlongDim.apply(x, dim, group, _own_chunk, all_gather_along)
 
 
 def gather_from_sequence(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Enter a tp region from a sequence shard (split_gather sequence parallelism): the full sequence, gathered
     along `dim`; the gradient is reduce-scattered back to the shards."""
-    return x if get_tp_world_size(group) == 1 else _GatherFromSequence.apply(x, dim, group)
+    return x if get_tp_world_size(group) == 1 else _AlongDim.apply(x, dim, group, all_gather_along, _reduce_scatter_along)
 
 
 def reduce_scatter_to_sequence(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Leave a tp region into a sequence shard: partial results summed over the group, each rank keeping its chunk
     along `dim`; the gradient is all-gathered."""
-    return x if get_tp_world_size(group) == 1 else _ReduceScatterToSequence.apply(x, dim, group)
+    return x if get_tp_world_size(group) == 1 else _AlongDim.apply(x, dim, group, _reduce_scatter_along, all_gather_along)
 
 
 def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup | None) -> Tensor:

@@ -181,7 +181,7 @@ def write_table(todo: List[Family], results: Dict[str, Dict], out: str, note: st
         "family matched at 1e-5; the check is kept strict, so these stay counted as fails.",
         "- A family is MoE when its config or the tested class's config declares experts (a `moe_*` tp style or "
         "an expert count), dense decoder when it has a causal-LM class, other otherwise.",
-        f"- Produced by `python benchmarks/coverage.py --log coverage.jsonl` ({note}).",
+        f"- Produced by `python benchmarks/coverage.py --log benchmarks/results/coverage.jsonl` ({note}).",
         "",
         f"**Dense text decoders: {len(passed)} of {len(dense)} pass ({100 * len(passed) / max(len(dense), 1):.0f}%); "
         f"{len(passed)} of the {len(built)} this script could build ({100 * len(passed) / max(len(built), 1):.0f}%).**",

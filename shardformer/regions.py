@@ -47,7 +47,7 @@ class _RegionEntry:
     def __call__(self, module, args, kwargs):
         key = None if args else ("hidden_states" if "hidden_states" in kwargs else next(iter(kwargs)))
         x = args[0] if args else kwargs[key]
-        region = enter_region(x, self.group, self.sequence_dim if module.training else None)
+        region = enter_region(x, self.group, self.sequence_dim if module.training else None, self.members)
         for member in self.members:
             member.region_input = region
         if region.shard is None:

@@ -28,6 +28,8 @@ from shardformer.layer import (
     vocab_parallel_lm_head,
     wrap_module_forward_in_local_rng,
 )
+from shardformer.layer.comm import start_sum
+from shardformer.layer.region import RegionInput
 from tests.dist_utils import run_distributed
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -52,6 +54,9 @@ def _check_param_grads(par: nn.Module, ref: nn.Module, group) -> None:
     rank, world = _rw(group)
     for name, p in par.named_parameters():
         full = ref.get_parameter(name).grad
+        if full is None:  # frozen
+            assert p.grad is None and not p.requires_grad, name
+            continue
         spec = get_tp_spec(p)
         expected = full if spec is None else shard_tensor(full, spec, rank, world)
         assert_close(p.grad, expected, **TOL, msg=lambda m: f"grad of {name}: {m}")
@@ -197,6 +202,80 @@ def case_mlp(group) -> None:
         y.backward(g)
         assert_close(xp.grad, x.grad, **TOL)
         _check_param_grads(par, ref, group)
+
+
+class _GatedMLP(nn.Module):
+    """gate and up read one input (a tp region when sharded; up twice, so its output gradients add up)."""
+
+    def __init__(self, gate: nn.Module, up: nn.Module, down: nn.Module, group=None, sharded: bool = False) -> None:
+        super().__init__()
+        self.gate, self.up, self.down, self.group, self.sharded = gate, up, down, group, sharded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sharded:
+            self.gate.region_input = self.up.region_input = RegionInput(x, self.group, members=(self.gate, self.up))
+        return self.down(F.silu(self.gate(x)) * self.up(x) + self.up(x))
+
+
+def _graph_has(t: torch.Tensor, name: str) -> bool:
+    seen, stack = set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == name:
+            return True
+        stack.extend(child for child, _ in node.next_functions)
+    return False
+
+
+def case_deferred_weight_grads(group) -> None:
+    """A region's column layers compute their weight gradients in the region entry's backward, while the input
+    gradient is summed: the same gradients as the unsharded layers, with or without deferral, with a frozen layer."""
+    for make in (lambda i, o: nn.Linear(i, o), lambda i, o: Conv1D(o, i)):
+        for defer, frozen in ((True, False), (False, False), (True, True)):
+            torch.manual_seed(5)
+            ref = _GatedMLP(make(10, 16), make(10, 16), make(16, 10))
+            ref.gate.weight.requires_grad_(not frozen)
+            par = _GatedMLP(ColumnParallelLinear.from_native_module(ref.gate, group),
+                            ColumnParallelLinear.from_native_module(ref.up, group),
+                            RowParallelLinear.from_native_module(ref.down, group), group, sharded=True)
+            par.gate.defer_weight_grad = par.up.defer_weight_grad = defer
+            x, g = torch.randn(3, 5, 10, requires_grad=True), torch.randn(3, 5, 10)
+            xp = _leaf(x)
+            y_ref, y = ref(x), par(xp)
+            assert_close(y, y_ref, **TOL)
+            assert _graph_has(y, "_EnterDeferringBackward") == defer, (defer, frozen)
+            region = par.up.region_input
+            assert region.defers(par.up) == defer and region.defers(par.gate) == (defer and not frozen)
+            y_ref.backward(g)
+            y.backward(g)
+            assert_close(xp.grad, x.grad, **TOL)
+            _check_param_grads(par, ref, group)
+            assert (par.gate.weight.grad is None) == frozen
+
+
+def case_sum_over_group(group) -> None:
+    """start_sum equals all_reduce, the same bits on every rank; `x` stays untouched unless summed in place. With
+    gloo, power-of-two groups exchange with partners; other sizes (a 3-rank group in the 4-rank world) all-reduce."""
+    groups = [group]
+    if group is None and dist.get_world_size() == 4:
+        three = dist.new_group([0, 1, 2])
+        groups += [three] if dist.get_rank() < 3 else []
+    for grp in groups:
+        torch.manual_seed(100 + dist.get_rank())
+        x = torch.randn(37, 5)
+        expected, kept = x.clone(), x.clone()
+        dist.all_reduce(expected, group=grp)
+        for source in (x, x.t()):  # contiguous, and not
+            out = start_sum(source, grp).wait()
+            assert out is not source and torch.equal(x, kept)
+            assert_close(out, expected if source is x else expected.t(), atol=1e-6, rtol=1e-6)
+            assert _all_equal_across(out, grp)
+        y = x.clone()
+        assert start_sum(y, grp, in_place=True).wait() is y and _all_equal_across(y, grp)
+        assert_close(y, expected, atol=1e-6, rtol=1e-6)
 
 
 # ---------------------------------------------------------------- embedding, LM head, loss
@@ -393,6 +472,8 @@ CASES = [
     case_fused_c_attn,
     case_row,
     case_mlp,
+    case_deferred_weight_grads,
+    case_sum_over_group,
     case_embedding,
     case_tied_lm_head,
     case_cross_entropy,

@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .comm import (all_gather_along, copy_to_tp, gather_from_sequence, gather_from_tp, get_tp_rank, get_tp_world_size,
+from .comm import (all_gather_along, gather_from_sequence, gather_from_tp, get_tp_rank, get_tp_world_size,
                    reduce_from_tp, reduce_scatter_to_sequence, split_to_tp)
+from .deferred import deferred_linear, linear_param_grads
+from .region import RegionInput
 from .spec import UnshardedStateDict, TPSpec, get_tp_spec, set_tp_spec, shard_parameter
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceShard"]
@@ -90,8 +92,7 @@ class _LinearOnGathered(torch.autograd.Function):
         grad_weight = grad_bias = None
         full = ctx.source.gather(shard, needed=ctx.needs_input_grad[2])
         if ctx.needs_input_grad[2]:
-            grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
-            grad_weight = grad_weight.t() if ctx.is_conv1d else grad_weight
+            grad_weight, _ = linear_param_grads(full, grad, ctx.is_conv1d, False)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
         return grad_full, None, grad_weight, grad_bias, None, None
@@ -144,6 +145,8 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         self.region_input = None
         # split_gather sequence parallelism: the sequence dimension of the input (None: off)
         self.sequence_dim: int | None = None
+        # compute the weight gradient while the input gradient is summed over tp (layer/deferred.py)
+        self.defer_weight_grad = True
 
         shape = (in_features, self.out_features) if is_conv1d else (self.out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -197,9 +200,12 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         if self.sequence_dim is not None and self.training:
             out = self._forward_on_sequence_shard(x, region)
         else:
-            x = region.copied() if region is not None else copy_to_tp(x, self.tp_group)
-            weight = self.weight.t() if self.is_conv1d else self.weight
-            out = F.linear(x, weight, self.bias)
+            region = region if region is not None else RegionInput(x, self.tp_group, members=(self,))
+            x = region.copied()
+            if region.defers(self):
+                out = deferred_linear(x, self, region.deferred)
+            else:
+                out = F.linear(x, self.weight.t() if self.is_conv1d else self.weight, self.bias)
         return self.gather(out) if self.gathers_output else out
 
     def _forward_on_sequence_shard(self, x: Tensor, region) -> Tensor:

@@ -7,15 +7,19 @@ region, so their summed input gradient is all-reduced once, not once each.
   projections) keep their full gradients.
 - With split_gather sequence parallelism (training) the region's input is the sequence gathered from this rank's
   shard (its backward reduce-scatters); column layers keep only the shard for their backward (`shard`).
+
+Without sequence parallelism the region's column layers (`members`) defer their weight gradients to the entry's
+backward, which computes them while the input gradient is being summed (layer/deferred.py).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .comm import copy_to_tp, gather_from_sequence
+from .comm import copy_to_tp, gather_from_sequence, get_tp_world_size
+from .deferred import DeferredWeightGrads, enter_deferring
 
 __all__ = ["RegionInput", "ShardSource", "enter_region"]
 
@@ -27,28 +31,41 @@ class ShardSource(NamedTuple):
 
 
 class RegionInput:
-    """A region's input (`source`) and its one entry into the tp region."""
+    """A region's input (`source`) and its one entry into the tp region; `members`: the modules that read it
+    (column layers among them may defer their weight gradients to the entry)."""
 
-    def __init__(self, source: Tensor, group: Optional[ProcessGroup], shard: Optional[ShardSource] = None) -> None:
-        self.source, self.group, self.shard, self._copied = source, group, shard, None
+    def __init__(self, source: Tensor, group: Optional[ProcessGroup], shard: Optional[ShardSource] = None,
+                 members: Sequence[nn.Module] = ()) -> None:
+        self.source, self.group, self.shard, self.members = source, group, shard, members
+        self._copied: Optional[Tensor] = None
+        self.deferred: Optional[DeferredWeightGrads] = None
 
     def copied(self) -> Tensor:
         """The input as split-input modules read it (its gradient is summed over the group)."""
         if self.shard is not None:  # gathered from the sequence shards: the gather's backward sums already
             return self.source
         if self._copied is None:
-            self._copied = copy_to_tp(self.source, self.group)
+            if get_tp_world_size(self.group) > 1:
+                self._copied, self.deferred = enter_deferring(self.source, self.group, self.members)
+            if self.deferred is None:
+                self._copied = copy_to_tp(self.source, self.group)
         return self._copied
+
+    def defers(self, layer: nn.Module) -> bool:
+        """Does `layer` hand its weight gradient to this entry (call after `copied()`)?"""
+        return self.deferred is not None and self.deferred.holds(layer)
 
     def holds(self, x: Tensor) -> bool:
         """Is `x` this region's input, as given or as entered?"""
         return x is self.source or (self._copied is not None and x is self._copied)
 
 
-def enter_region(x: Tensor, group: Optional[ProcessGroup], sequence_dim: Optional[int]) -> RegionInput:
-    """The region input for `x`: with `sequence_dim` (split_gather, training) `x` is a sequence shard, gathered now."""
+def enter_region(x: Tensor, group: Optional[ProcessGroup], sequence_dim: Optional[int],
+                 members: Sequence[nn.Module] = ()) -> RegionInput:
+    """The region input for `x`: with `sequence_dim` (split_gather, training) `x` is a sequence shard, gathered now.
+    `members`: the modules reading it."""
     if sequence_dim is None:
-        return RegionInput(x, group)
+        return RegionInput(x, group, members=members)
     from .linear import SequenceShard
     return RegionInput(gather_from_sequence(x, sequence_dim, group), group,
                        ShardSource(x, SequenceShard(sequence_dim, group)))

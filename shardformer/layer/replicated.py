@@ -6,11 +6,10 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .comm import copy_to_tp, get_tp_rank, get_tp_world_size
+from .comm import copy_to_tp, get_tp_rank, get_tp_world_size, start_sum
 
 __all__ = ["sum_grads_over_tp", "sum_grad_over_tp", "keep_own_head", "sum_tail_grad_over_tp"]
 
@@ -33,9 +32,7 @@ def sum_grads_over_tp(module: nn.Module, group: ProcessGroup | None) -> None:
 
 
 def _summed(grad: Tensor, group: ProcessGroup) -> Tensor:
-    out = grad.clone()  # the hook's gradient may be shared with other uses; return a new one
-    dist.all_reduce(out, group=group)
-    return out
+    return start_sum(grad, group).wait()  # a new tensor: the hook's gradient may be shared with other uses
 
 
 def _narrow(start: int, size: int, module: nn.Module, args, out: Tensor) -> Tensor:

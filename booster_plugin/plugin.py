@@ -18,7 +18,7 @@ from pipeline.schedules import layout_for, make_schedule
 from shardformer.parallelformers import as_policy
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sequence_parallel import SEQUENCE_PARALLEL_MODES, resolve_mode
-from shardformer.layer.deferred import defer_weight_grads
+from shardformer.layer.deferred import prepare_split_backward
 from shardformer.sharder import ShardConfig, Sharder
 
 from .activation_checkpoint import GradientCheckpointConfig, apply_activation_checkpointing
@@ -312,8 +312,8 @@ class HybridParallelPlugin:
             sequence_parallelism_mode=self.sp_mode)
         sharder = Sharder(model, policy, shard_config)
         shared_names = sharder.shard()
-        if self.pp_style == "zbv":  # its split backward defers weight gradients itself (pipeline/split_backward.py)
-            defer_weight_grads(model, False)
+        if self.pp_style == "zbv":  # its backward is split into I and W (pipeline/split_backward.py)
+            prepare_split_backward(model)
         apply_activation_checkpointing(model, list(policy.layer_list()), self.stage,
                                        policy.layers_per_stage() if self.pp_size > 1 else [policy.num_layers()],
                                        self.gradient_checkpoint_config, rng_tracker)

@@ -18,7 +18,7 @@ from .actions import B, COMM, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, p
 from .p2p import BACKWARD, FORWARD, PipelineP2PCommunication
 from .schedules import Schedule, forward_only, make_schedule
 from .simulator import simulate
-from .split_backward import backward_input, backward_weight
+from .split_backward import WeightGradStore, deferring
 from .stage_manager import PipelineStageManager
 from .trace import ScheduleTracer
 
@@ -95,16 +95,6 @@ def _detach(obj: Any) -> Any:
     return obj
 
 
-def _leaves(obj: Any) -> List[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.requires_grad else []
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _leaves(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _leaves(v)]
-    return []
-
-
 def _handoff(obj: Any) -> Any:
     """An output passed to the next virtual stage on the same rank: a new leaf, as if it had been received."""
     if isinstance(obj, torch.Tensor):
@@ -129,7 +119,8 @@ class _Step:
         self.bwd_in: Dict[Tuple[int, int], Any] = {}   # gradients of outputs (received or handed over)
         self.outbox: Dict[Action, Any] = {}            # results waiting for their SEND action
         self.saved: Dict[Tuple[int, int], Tuple[Any, Any]] = {}  # (input, output) until the backward is done
-        self.weight_work: Dict[Tuple[int, int], Any] = {}  # I done, W pending
+        self.split: frozenset = frozenset()  # this rank's W actions: their forwards' backward is split into I and W
+        self.weight_work: Dict[Tuple[int, int], WeightGradStore] = {}  # what each such W will compute
 
 
 class PipelineSchedule:
@@ -203,6 +194,7 @@ class PipelineSchedule:
         self.p2p.new_step()
         st = _Step(model, criterion, optimizer, microbatches, scales, weights, return_outputs, self.p2p.device)
         actions = schedule.actions[sm.stage]
+        st.split = frozenset(a for a in actions if a.kind == W)
         # data-parallel reduction: launched by gradient hooks in the rank's last gradient action only, and never
         # when the user accumulates gradients (booster.no_sync), whose setting is restored afterwards
         user_sync = getattr(model, "require_grad_sync", None)
@@ -268,7 +260,10 @@ class PipelineSchedule:
         if action.kind == F:
             sm.model_chunk_id = sm.layout.chunk_of(stage)
             input_obj = None if stage == 0 else st.fwd_in.pop((stage, i))
-            with self._span("forward", i):
+            store = None
+            if torch.is_grad_enabled() and Action(W, stage, i) in st.split:  # its backward comes as I, then W
+                store = st.weight_work[(stage, i)] = WeightGradStore()
+            with self._span("forward", i), deferring(store):
                 output = self._forward_step(st, input_obj, i, last)
             if torch.is_grad_enabled():
                 st.saved[(stage, i)] = (input_obj, output)
@@ -278,18 +273,14 @@ class PipelineSchedule:
             return
         if action.kind == W:
             with self._span("backward_weight", i):
-                backward_weight(st.weight_work.pop((stage, i)))
+                st.weight_work.pop((stage, i)).run()
             del st.saved[(stage, i)]
             return
         input_obj, output = st.saved[(stage, i)] if action.kind == I else st.saved.pop((stage, i))
         output_grad = None if last else st.bwd_in.pop((stage, i))
-        if action.kind == B:
-            with self._span("backward", i):
-                self._backward_step(st.optimizer, output, output_grad)
-        else:
-            with self._span("backward_input", i):
-                roots, grads = ([output], [None]) if last else _split_pairs(output, output_grad)
-                st.weight_work[(stage, i)] = backward_input(roots, grads, _leaves(input_obj))
+        # I is B whose linear layers left their weight gradients to W (the forward bound them to a store)
+        with self._span("backward" if action.kind == B else "backward_input", i):
+            self._backward_step(st.optimizer, output, output_grad)
         if stage > 0:
             self._pass_on(st, stage, i, _input_grads(input_obj), forward=False)
 

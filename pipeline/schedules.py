@@ -19,10 +19,8 @@ from .layout import LOOP, V, StageLayout
 
 
 def unit_cost(action: Action) -> float:
-    """The cost model of the generators and the simulator's default: F = I = W = 1 and B = 2 per chunk, except on
-    the first virtual stage, which has no input gradient: there I = 0 and W = 2 (pipeline/split_backward.py)."""
-    if action.stage == 0 and action.kind in (I, W):
-        return 0.0 if action.kind == I else 2.0
+    """The cost model of the generators and the simulator's default: F = I = W = 1 and B = 2 per chunk (I computes
+    the linear layers' input gradients, W their weight gradients: pipeline/split_backward.py)."""
     return 2.0 if action.kind == B else 1.0
 
 

@@ -78,6 +78,9 @@ def _mixed_precision_cases():
     mu.check_training("llama_lm", precision="fp16", max_norm=1.0, tol=MIXED_TOL)
     mu.check_training("gpt2_lm", precision="fp16", zero_stage=2, tol=MIXED_TOL)
     mu.check_training("llama_lm", precision="bf16", zero_stage=1, tol=MIXED_TOL)
+    # zbv: the split backward's I is the loss-scaled backward too
+    mu.check_training("llama_lm", pp_size=2, num_microbatches=2, pp_style="zbv", num_model_chunks=2, precision="fp16",
+                      tol=MIXED_TOL)
 
 
 def _forced_overflow(**plugin_kwargs):

@@ -10,7 +10,7 @@ from pipeline.actions import B, F, I, RECV_F, SEND_F, W, Action, add_communicati
 from pipeline.layout import LOOP, V, StageLayout
 from pipeline.schedules import Schedule, forward_only, interleaved, make_schedule, one_f_one_b, zero_bubble_v
 from pipeline.simulator import ScheduleError, simulate
-from pipeline.split_backward import backward_input, backward_weight
+from pipeline.split_backward import WeightGradStore, deferring, linear
 from pipeline.stage_manager import StageCosts, balanced_split
 
 SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in sorted({p, p + 1, 2 * p, 4 * p})]
@@ -110,32 +110,46 @@ def test_receives_follow_the_senders_order():
     simulate(Schedule(layout, 2, actions, [0, 0]))
 
 
+class _Block(torch.nn.Module):
+    """Linear layers through split_backward.linear (one stored transposed, like Conv1D; the last used twice) around
+    a LayerNorm, whose weight is not deferred."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm, self.proj = torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 8)
+        self.fc.weight = torch.nn.Parameter(self.fc.weight.detach().t().contiguous())  # (in, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.nn.functional.gelu(linear(x, self.fc.weight, self.fc.bias, transposed=True)))
+        return linear(h, self.proj.weight, self.proj.bias) * 2 + linear(h * 0.5, self.proj.weight, self.proj.bias)
+
+
 def test_split_backward_equals_full_backward():
-    """I then W give the input and weight gradients of one backward; before W no weight has a gradient."""
+    """A forward bound to a store: its backward (I) gives the input gradient and the non-linear parameters'
+    gradients, none of the linear weights'; W gives those (through autograd: hooks fire). Together they equal one
+    backward, a layer used twice included; without a store nothing is deferred."""
     torch.manual_seed(0)
-    block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 8))
+    block, x, grad = _Block(), torch.randn(4, 8), torch.randn(4, 8)
     ref = copy.deepcopy(block)
-    x = torch.randn(4, 8)
-    grad = torch.randn(4, 8)
     x_ref = x.clone().requires_grad_()
     ref(x_ref).backward(grad)
+    assert all(p.grad is not None for p in ref.parameters())  # (no store bound: a plain backward)
+    fired = []
+    for name, p in block.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(name))
+    store = WeightGradStore()
     x_in = x.clone().requires_grad_()
-    work = backward_input([block(x_in)], [grad], [x_in])
+    with deferring(store):
+        out = block(x_in)
+    out.backward(grad)  # I
     torch.testing.assert_close(x_in.grad, x_ref.grad)
-    assert all(p.grad is None for p in block.parameters()) and work.calls
-    backward_weight(work)
-    for p, q in zip(block.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
-    # a weight used twice in the stage: exact through the full-backward fallback
-    shared = torch.nn.Linear(8, 8)
-    x_in = x.clone().requires_grad_()
-    work = backward_input([shared(shared(x_in))], [grad], [x_in])
-    backward_weight(work)
-    w = shared.weight.detach().clone().requires_grad_()
-    x_ref = x.clone().requires_grad_()
-    torch.nn.functional.linear(torch.nn.functional.linear(x_ref, w, shared.bias.detach()), w, shared.bias.detach()).backward(grad)
-    torch.testing.assert_close(shared.weight.grad, w.grad)
-    torch.testing.assert_close(x_in.grad, x_ref.grad)
+    linear_params = {"fc.weight", "fc.bias", "proj.weight", "proj.bias"}
+    assert {n for n, p in block.named_parameters() if p.grad is not None} == {"norm.weight", "norm.bias"}
+    assert len(store) == 3  # fc once, proj twice
+    store.run()  # W
+    assert set(fired) == linear_params | {"norm.weight", "norm.bias"} and len(store) == 0
+    for (name, p), q in zip(block.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 def test_balanced_split_weighs_head_and_embeddings():

@@ -8,11 +8,15 @@ gradients, then waits (Megatron-LM's overlap of the input-gradient all-reduce wi
 region instead of once per layer).
 
 The weight gradients still leave through autograd (the entry's backward returns them), so they accumulate into
-`.grad` as usual and post-accumulate hooks (data-parallel buckets, ZeRO) fire. Schedules that split the backward
-themselves (zbv: input gradients now, weight gradients later) turn this off (`defer_weight_grads`).
+`.grad` as usual and post-accumulate hooks (data-parallel buckets, ZeRO) fire.
+
+Schedules that split the backward themselves (zbv: input gradients now, weight gradients later, by
+pipeline/split_backward.py) turn this off and route every linear layer through that split instead
+(`prepare_split_backward`).
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -20,17 +24,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from pipeline.split_backward import linear, linear_param_grads
+
 from .comm import start_sum
 
-__all__ = ["DeferredWeightGrads", "enter_deferring", "deferred_linear", "linear_param_grads", "defer_weight_grads"]
-
-
-def linear_param_grads(x: Tensor, grad: Tensor, is_conv1d: bool, has_bias: bool):
-    """(weight gradient, bias gradient or None) of `x @ W^T + b` (Conv1D: `x @ W + b`, W stored (in, out)) for the
-    output gradient `grad`."""
-    x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-    weight = x2.t() @ g2 if is_conv1d else g2.t() @ x2
-    return weight, (g2.sum(0) if has_bias else None)
+__all__ = ["DeferredWeightGrads", "enter_deferring", "deferred_linear", "prepare_split_backward"]
 
 
 class DeferredWeightGrads:
@@ -127,10 +125,19 @@ def deferred_linear(x: Tensor, layer: nn.Module, grads: DeferredWeightGrads) -> 
     return _DeferredLinear.apply(x, layer.weight.detach(), bias, layer, grads)
 
 
-def defer_weight_grads(model: nn.Module, enabled: bool) -> None:
-    """Turn the deferral on or off for every column layer of `model` (off when the schedule splits the backward
-    into input and weight halves itself)."""
+def prepare_split_backward(model: nn.Module) -> None:
+    """For a schedule that splits the backward into I and W (pipeline/split_backward.py): column layers stop
+    deferring to their region's entry, and plain nn.Linear / transformers Conv1D modules compute through the split's
+    `linear` (the tp layers always do)."""
+    from transformers.pytorch_utils import Conv1D
+
     from .linear import ColumnParallelLinear
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear):
-            module.defer_weight_grad = enabled
+            module.defer_weight_grad = False
+        elif type(module) in (nn.Linear, Conv1D):
+            module.forward = functools.partial(_split_linear_forward, module, type(module) is Conv1D)
+
+
+def _split_linear_forward(module: nn.Module, transposed: bool, x: Tensor) -> Tensor:
+    return linear(x, module.weight, module.bias, transposed)

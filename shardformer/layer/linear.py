@@ -19,7 +19,9 @@ from torch.distributed import ProcessGroup
 
 from .comm import (all_gather_along, gather_from_sequence, gather_from_tp, get_tp_rank, get_tp_world_size,
                    reduce_from_tp, reduce_scatter_to_sequence, split_to_tp)
-from .deferred import deferred_linear, linear_param_grads
+from pipeline.split_backward import linear, linear_param_grads
+
+from .deferred import deferred_linear
 from .region import RegionInput
 from .spec import UnshardedStateDict, TPSpec, get_tp_spec, set_tp_spec, shard_parameter
 
@@ -205,7 +207,7 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
             if region.defers(self):
                 out = deferred_linear(x, self, region.deferred)
             else:
-                out = F.linear(x, self.weight.t() if self.is_conv1d else self.weight, self.bias)
+                out = linear(x, self.weight, self.bias, self.is_conv1d)
         return self.gather(out) if self.gathers_output else out
 
     def _forward_on_sequence_shard(self, x: Tensor, region) -> Tensor:
@@ -301,8 +303,7 @@ class RowParallelLinear(UnshardedStateDict, nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = split_to_tp(x, -1, self.tp_group)
-        weight = self.weight.t() if self.is_conv1d else self.weight
-        out = F.linear(x, weight)
+        out = linear(x, self.weight, None, self.is_conv1d)
         if self.sequence_dim is not None and self.training:
             out = reduce_scatter_to_sequence(out, self.sequence_dim, self.tp_group)
         else:

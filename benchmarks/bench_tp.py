@@ -14,8 +14,10 @@ Per-layer plans are the same Megatron split:
            ColwiseParallel(output Shard(-1), DTensor logits) and forward+backward under loss_parallel(), so HF's own
            F.cross_entropy runs vocab-parallel. The same math as ours.
   Differences: DTensor all-reduces the input gradient once per column-parallel linear in backward (q, k, v and
-  gate, up: 5 per layer), ours once per region (attention, MLP: 2 per layer, `_enter_tp_regions_once`); norms and
-  rotary stay plain replicated tensors in both; DTensor parameters go through DTensor dispatch in AdamW.
+  gate, up: 5 per layer), ours once per region (attention, MLP: 2 per layer, `enter_tp_regions_once`) while the
+  region's weight gradients are computed (layer/deferred.py); our sums over the tp group are one send/receive with
+  the partner and an add (layer/comm.py `start_sum`), DTensor's are gloo all-reduces; norms and rotary stay plain
+  replicated tensors in both; DTensor parameters go through DTensor dispatch in AdamW.
 One-process training runs on rank 0 while rank 1 waits. Variants run interleaved in rounds (rotating order) and see
 the same batch sequence, so their losses agree at every step (checked). After the timed rounds one step of each TP
 variant runs under torch.profiler to show where the time goes (collectives vs compute vs the rest).
@@ -38,6 +40,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from booster_plugin import Booster, HybridParallelPlugin
+from shardformer.layer.comm import PendingSum, start_sum
 
 NAME = "bench_tp"
 TP = 2
@@ -150,14 +153,24 @@ def profile_step(step, batch):
             spent[0] += time.perf_counter() - t0
             spent[1] += 1
 
+    original_wait = PendingSum.wait
+
+    def timed_wait(self):  # our tp sums: from the wait's start (the exchange was posted just before)
+        t0 = time.perf_counter()
+        try:
+            return original_wait(self)
+        finally:
+            spent[0] += time.perf_counter() - t0
+            spent[1] += 1
+
     dist.barrier()
-    dist.all_reduce = timed_all_reduce
+    dist.all_reduce, PendingSum.wait = timed_all_reduce, timed_wait
     t0 = time.perf_counter()
     try:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             step(batch)
     finally:
-        dist.all_reduce = original
+        dist.all_reduce, PendingSum.wait = original, original_wait
     wall = time.perf_counter() - t0
     sizes = defaultdict(list)
     for e in prof.events():
@@ -172,21 +185,25 @@ def profile_step(step, batch):
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
     return {"wall_ms_under_profiler": wall * 1e3,
             "collectives": {k: {"count": len(v), "bytes": 4 * sum(v), "numels": v} for k, v in sizes.items()},
-            "ms_in_dist_all_reduce": spent[0] * 1e3, "dist_all_reduce_calls": spent[1],
+            "ms_in_collectives": spent[0] * 1e3, "collective_calls": spent[1],
             "ms_in_functional_collectives": functional,
             "top_self_cpu": [[e.key, e.count, e.self_cpu_time_total / 1e3] for e in top]}
 
 
-def replay_collectives(numels, reps: int = 3) -> float:
-    """Median ms for the same sequence of fp32 all-reduces on their own (no compute between them): the cost of
-    the step's collectives on this machine when both ranks arrive together."""
+def replay_collectives(numels, reps: int = 3, exchange: bool = False) -> float:
+    """Median ms for the same sequence of fp32 sums on their own (no compute between them): the cost of the step's
+    collectives on this machine when both ranks arrive together. `exchange`: our tp sums (start_sum: one
+    send/receive with the partner per sum), else all-reduces."""
     bufs = [torch.zeros(n) for n in numels]
     out = []
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
         for b in bufs:
-            dist.all_reduce(b)
+            if exchange:
+                start_sum(b, None, in_place=True).wait()
+            else:
+                dist.all_reduce(b)
         out.append(time.perf_counter() - t0)
     return C.median(out) * 1e3
 
@@ -229,6 +246,8 @@ def main() -> None:
             prof[n] = p
     replay = {n: replay_collectives(prof[n]["collectives"].get("gloo:all_reduce", {"numels": []})["numels"])
               for n in (OURS, DTENSOR)}
+    replay[OURS] += replay_collectives(prof[OURS]["collectives"].get("gloo:send", {"numels": []})["numels"],
+                                       exchange=True)
     dog.disarm()
 
     gathered = C.gather_per_rank(losses)
@@ -282,7 +301,7 @@ def main() -> None:
         p0 = prof_ranks[0][n]
         colls = "; ".join(f"{k.removeprefix('gloo:')} x{v['count']} {v['bytes'] / 2 ** 20:.1f} MiB"
                           for k, v in p0["collectives"].items())
-        key = "ms_in_dist_all_reduce" if n == OURS else "ms_in_functional_collectives"
+        key = "ms_in_collectives" if n == OURS else "ms_in_functional_collectives"
         rows.append([n, colls, " | ".join(f"{prof_ranks[r][n]['wall_ms_under_profiler']:.0f}" for r in range(TP)),
                      " | ".join(f"{prof_ranks[r][n][key]:.0f}" for r in range(TP)), f"{replay[n]:.0f}"])
     say(C.table(["variant", "collectives per step", "step ms", "in collectives ms", "replayed ms"], rows))

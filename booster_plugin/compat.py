@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .plugin import default_device, ensure_distributed
+from .launch import default_device, ensure_distributed
 
 __all__ = ["DistCoordinator", "HybridAdam", "LazyInitContext", "get_accelerator", "launch_from_torch", "set_seed"]
 

@@ -28,7 +28,8 @@ from pipeline import ProcessGroupMesh
 from shardformer.plan import PlanPolicy, resolve_plan, resolve_split
 
 from .booster import Booster
-from .plugin import HybridParallelPlugin, ensure_distributed
+from .launch import ensure_distributed
+from .plugin import HybridParallelPlugin
 
 _CONFIG_KEYS = {"dp_config": {"sharding_level"}, "mp_config": {"parallelize_plan", "divide_attributes"},
                 "pp_config": {"split_spec", "accumulate_steps", "global_spec"}}

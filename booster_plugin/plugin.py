@@ -26,6 +26,7 @@ from .batch_check import BatchLimits, agree_on_batch, label_vocab_of, vocab_of
 from .colossal_args import check_unacted_args
 from .lora import LoRAState, adapter_file_keys, materialize_adapters, split_peft_model
 from .failure import FailureGuard
+from .launch import agree_on_layout, alias, check_int, default_device, ensure_distributed
 from .mixed_precision import DynamicLossScaler, LossScalerConfig
 from .optimizer import HybridParallelOptimizer
 from .parallel_module import HybridParallelModule
@@ -34,70 +35,6 @@ from .zero import ZeroOptimizer, check_zero_optimizer
 DP_AXIS, PP_AXIS, TP_AXIS = 0, 1, 2
 _SUPPORTED_PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def default_device() -> torch.device:
-    """This rank's accelerator when there is one (by LOCAL_RANK), else the CPU."""
-    if torch.accelerator.is_available():
-        acc = torch.accelerator.current_accelerator()
-        index = int(os.environ.get("LOCAL_RANK", 0)) % torch.accelerator.device_count()
-        torch.accelerator.set_device_index(index)
-        return torch.device(acc.type, index)
-    return torch.device("cpu")
-
-
-def ensure_distributed(timeout: Optional[float] = None) -> None:
-    """Initialize torch.distributed from torchrun's environment unless the user already did (gloo/NCCL by device)."""
-    if dist.is_initialized():
-        return
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(f"torch.distributed is not initialized and {', '.join(missing)} are not set: launch with "
-                           f"`torchrun --nproc_per_node=N script.py` or call torch.distributed.init_process_group().")
-    backend = "gloo"  # CPU; with an accelerator, its backend (NCCL on CUDA) plus gloo for CPU tensors
-    if torch.accelerator.is_available():
-        kind = torch.accelerator.current_accelerator().type
-        backend = f"cpu:gloo,{kind}:{dist.Backend.default_device_backend_map.get(kind, 'gloo')}"
-    kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent keeps one store across restarts: keys of a previous attempt (the dead ranks' addresses)
-        # would be read by the new one, so each attempt gets its own prefix
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              int(os.environ["WORLD_SIZE"]), is_master=False,
-                              timeout=timedelta(seconds=timeout or 1800))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        kwargs.update(store=dist.PrefixStore(f"hybrid_parallel/attempt_{attempt}", store),
-                      rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group(backend, **kwargs)
-
-
-def _alias(alias: str, alias_value: Optional[int], name: str, value: int) -> int:
-    """`tp=2` means `tp_size=2` (the design card's spelling); both, differing, is an error."""
-    if alias_value is None:
-        return value
-    if value != 1 and value != alias_value:
-        raise ValueError(f"{alias}={alias_value} and {name}={value} disagree: give one of them.")
-    return alias_value
-
-
-def _agree_on_layout(**settings: int) -> None:
-    """One all-gather over the world: ranks created with different settings (e.g. tp_size) would create different
-    process groups and hang; every rank raises the same error naming the differing setting instead."""
-    mine = torch.tensor(list(settings.values()), dtype=torch.int64)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine)
-    for rank, row in enumerate(rows):
-        differ = [name for name, a, b in zip(settings, row.tolist(), rows[0].tolist()) if a != b]
-        if differ:
-            shown = ", ".join(f"{n}: rank 0 has {rows[0][list(settings).index(n)].item()}, rank {rank} has "
-                              f"{row[list(settings).index(n)].item()}" for n in differ)
-            raise ValueError(f"HybridParallelPlugin was created with different settings on different ranks ({shown}); "
-                             f"every rank must pass the same arguments.")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
 
 
 class HybridParallelPlugin:
@@ -153,18 +90,18 @@ class HybridParallelPlugin:
                  gradient_checkpoint_config: Optional[GradientCheckpointConfig] = None,
                  tp: Optional[int] = None, pp: Optional[int] = None, **colossalai_kwargs: Any) -> None:
         # every check before the first collective, so that bad input fails the same way on every rank
-        tp_size, pp_size = _alias("tp", tp, "tp_size", tp_size), _alias("pp", pp, "pp_size", pp_size)
+        tp_size, pp_size = alias("tp", tp, "tp_size", tp_size), alias("pp", pp, "pp_size", pp_size)
         check_unacted_args(colossalai_kwargs, rank=int(os.environ.get("RANK", "0")) if not dist.is_initialized()
                            else None)
-        _check_int("tp_size", tp_size, 1)
-        _check_int("pp_size", pp_size, 1)
+        check_int("tp_size", tp_size, 1)
+        check_int("pp_size", pp_size, 1)
         if num_microbatches is not None and microbatch_size is not None:
             raise ValueError(f"Give at most one of num_microbatches={num_microbatches} and "
                              f"microbatch_size={microbatch_size}.")
         if num_microbatches is not None:
-            _check_int("num_microbatches", num_microbatches, 1)
+            check_int("num_microbatches", num_microbatches, 1)
         if microbatch_size is not None:
-            _check_int("microbatch_size", microbatch_size, 1)
+            check_int("microbatch_size", microbatch_size, 1)
         if precision not in _SUPPORTED_PRECISIONS:
             raise ValueError(f"precision={precision!r} is not supported; use one of {_SUPPORTED_PRECISIONS}.")
         if zero_stage not in (0, 1, 2):
@@ -189,7 +126,7 @@ class HybridParallelPlugin:
             raise ValueError(f"ddp_bucket_cap_mb={ddp_bucket_cap_mb} must be > 0.")
         if p2p_transport not in ("p2p", "broadcast"):
             raise ValueError(f"p2p_transport={p2p_transport!r}: use 'p2p' or 'broadcast'.")
-        _check_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by, 1)
+        check_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by, 1)
         custom_policy = as_policy(custom_policy)  # ours as is, Parallelformers-style translated, else TypeError
         if loss_weight_fn is not None and pp_size == 1 and not (num_microbatches or microbatch_size):
             raise ValueError("loss_weight_fn weighs the microbatches of execute_pipeline: also give num_microbatches "
@@ -201,7 +138,7 @@ class HybridParallelPlugin:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds.")
         ensure_distributed(timeout)
-        _agree_on_layout(tp_size=tp_size, pp_size=pp_size, num_microbatches=num_microbatches or 0,
+        agree_on_layout(tp_size=tp_size, pp_size=pp_size, num_microbatches=num_microbatches or 0,
                          microbatch_size=microbatch_size or 0, zero_stage=zero_stage,
                          precision=_SUPPORTED_PRECISIONS.index(precision), check_batches=int(check_batches),
                          num_model_chunks=num_model_chunks,

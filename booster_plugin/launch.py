@@ -1,0 +1,76 @@
+"""Before the plugin's process groups exist: the process group itself (`ensure_distributed`), this rank's device,
+and the argument checks that must fail the same way on every rank (`agree_on_layout`: one all-gather)."""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["default_device", "ensure_distributed", "alias", "agree_on_layout", "check_int"]
+
+
+def default_device() -> torch.device:
+    """This rank's accelerator when there is one (by LOCAL_RANK), else the CPU."""
+    if torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        index = int(os.environ.get("LOCAL_RANK", 0)) % torch.accelerator.device_count()
+        torch.accelerator.set_device_index(index)
+        return torch.device(acc.type, index)
+    return torch.device("cpu")
+
+
+def ensure_distributed(timeout: Optional[float] = None) -> None:
+    """Initialize torch.distributed from torchrun's environment unless the user already did (gloo/NCCL by device)."""
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"torch.distributed is not initialized and {', '.join(missing)} are not set: launch with "
+                           f"`torchrun --nproc_per_node=N script.py` or call torch.distributed.init_process_group().")
+    backend = "gloo"  # CPU; with an accelerator, its backend (NCCL on CUDA) plus gloo for CPU tensors
+    if torch.accelerator.is_available():
+        kind = torch.accelerator.current_accelerator().type
+        backend = f"cpu:gloo,{kind}:{dist.Backend.default_device_backend_map.get(kind, 'gloo')}"
+    kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts: keys of a previous attempt (the dead ranks' addresses)
+        # would be read by the new one, so each attempt gets its own prefix
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              int(os.environ["WORLD_SIZE"]), is_master=False,
+                              timeout=timedelta(seconds=timeout or 1800))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        kwargs.update(store=dist.PrefixStore(f"hybrid_parallel/attempt_{attempt}", store),
+                      rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend, **kwargs)
+
+
+def alias(alias: str, alias_value: Optional[int], name: str, value: int) -> int:
+    """`tp=2` means `tp_size=2` (the design card's spelling); both, differing, is an error."""
+    if alias_value is None:
+        return value
+    if value != 1 and value != alias_value:
+        raise ValueError(f"{alias}={alias_value} and {name}={value} disagree: give one of them.")
+    return alias_value
+
+
+def agree_on_layout(**settings: int) -> None:
+    """One all-gather over the world: ranks created with different settings (e.g. tp_size) would create different
+    process groups and hang; every rank raises the same error naming the differing setting instead."""
+    mine = torch.tensor(list(settings.values()), dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    for rank, row in enumerate(rows):
+        differ = [name for name, a, b in zip(settings, row.tolist(), rows[0].tolist()) if a != b]
+        if differ:
+            shown = ", ".join(f"{n}: rank 0 has {rows[0][list(settings).index(n)].item()}, rank {rank} has "
+                              f"{row[list(settings).index(n)].item()}" for n in differ)
+            raise ValueError(f"HybridParallelPlugin was created with different settings on different ranks ({shown}); "
+                             f"every rank must pass the same arguments.")
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")

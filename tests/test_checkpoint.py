@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2LMHeadM
 
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.checkpoint import format as ckpt_format
+from booster_plugin.checkpoint import jobs as ckpt_jobs
 from booster_plugin.checkpoint_io import CheckpointError
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
@@ -558,6 +559,11 @@ def _async_saves(root):
         booster.save_model(model, path, shard=True, size_per_shard=0.02, use_async=True)
         with pytest.raises(CheckpointError, match="No space left on device"):
             booster.checkpoint_io.synchronize()
+        # never synchronized: reported at exit (what atexit prints), not lost
+        booster.save_model(model, path, shard=True, size_per_shard=0.02, use_async=True)
+        lost = ckpt_jobs.report_unsynchronized()
+        if dist.get_rank() == 0:
+            assert lost and "No space left on device" in lost[0] and "never synchronized" in lost[0], lost
     finally:
         ckpt_format.write_safetensors = real_writer
     booster2.load_model(model2, path)

@@ -3,10 +3,14 @@
 A save has a collective phase (plan, tp gathers, pp sends: always in the caller's thread) and a local phase: each
 writer writes its files, reports to rank 0 through a marker file, and rank 0 commits (index, config, swap). The
 local phase runs inline, or with `use_async=True` in a thread on snapshots of the tensors; `synchronize()` (and
-every later checkpoint call, through any Booster) joins the threads and agrees on their errors.
+every later checkpoint call, through any Booster) joins the threads and agrees on their errors. A background save
+that failed and was never synchronized is reported on stderr when the process exits (no collective is possible
+then): the error is never lost.
 """
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, List, Optional
@@ -125,3 +129,20 @@ def synchronize(device: torch.device) -> None:
         if job.error is not None:
             errors.append(f"{job.action}: {job.error}")
     agree("; ".join(errors) or None, "asynchronous save", device)
+
+
+@atexit.register
+def report_unsynchronized() -> List[str]:
+    """At exit (after Python joined the save threads): print the errors of background saves never synchronized."""
+    lost = []
+    for job in _PENDING:
+        if job.thread is not None:
+            job.thread.join()
+        if job.error is not None:
+            lost.append(f"rank {job.rank}: asynchronous {job.action} failed and was never synchronized "
+                        f"(call booster.checkpoint_io.synchronize() to get it as an error): {job.error}; the "
+                        f"previous checkpoint at that path is untouched.")
+    _PENDING.clear()
+    for line in lost:
+        print(line, file=sys.stderr, flush=True)
+    return lost

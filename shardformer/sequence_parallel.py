@@ -26,6 +26,7 @@ layers run unsplit, as tensor parallelism alone (all_to_all: replicated layers).
 from __future__ import annotations
 
 import copy
+import re
 import sys
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
@@ -38,7 +39,7 @@ from .layer import ColumnParallelLinear, RowParallelLinear, gather_from_tp, spli
 from .layer.comm import all_to_all
 from .layer.spec import get_tp_spec
 from .layer.replicated import sum_grad_over_tp
-from .policies.base import Colwise, KVHeads, Policy, Rowwise, SplitParam
+from .policies.base import Colwise, KVHeads, Policy, Rowwise, SharedTailGrad, SplitParam
 
 __all__ = ["SEQUENCE_PARALLEL_MODES", "SEQUENCE_DIM", "SequenceSpan", "resolve_mode", "check_sequence_parallelism",
            "inside_layers", "sequence_span", "apply_sequence_parallelism"]
@@ -108,6 +109,11 @@ def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: 
             raise NotImplementedError(f"sequence_parallelism_mode='split_gather': {name}'s tp plan entry "
                                       f"'{pattern}' ({style}) works on the full, replicated sequence inside a layer; "
                                       f"use sequence_parallelism_mode='all_to_all' or no sequence parallelism.")
+        if mode == "split_gather" and isinstance(style, SharedTailGrad):
+            raise NotImplementedError(f"sequence_parallelism_mode='split_gather': {name} has multi-head latent "
+                                      f"attention ('{pattern}'), whose latent projections read the gathered sequence "
+                                      f"outside the attention's entry; use sequence_parallelism_mode='all_to_all' or "
+                                      f"no sequence parallelism.")
         if mode == "all_to_all" and isinstance(style, SplitParam):
             raise NotImplementedError(f"sequence_parallelism_mode='all_to_all': {name} has per-head parameters "
                                       f"('{pattern}') its attention reads, which the heads exchange would not "
@@ -116,6 +122,29 @@ def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: 
             raise ValueError(f"sequence_parallelism_mode='all_to_all' splits the key/value heads over tp ranks, but "
                              f"{name} has {style.num_heads} key/value heads for tp_size={tp_size}: use a tp_size "
                              f"that divides {style.num_heads}, or sequence_parallelism_mode='split_gather'.")
+    if mode == "split_gather":
+        _check_mixers_are_regions(policy, name)
+
+
+_TOKEN_MIXERS = re.compile(r"Attention|Attn|Mamba|Mixer|DeltaNet")  # transformers' names of token-mixing blocks
+
+
+def _check_mixers_are_regions(policy: Policy, name: str) -> None:
+    """split_gather gathers the sequence at the entry of a layer's tp regions only: a block of the layer that mixes
+    tokens (an attention) without tp entries would see this rank's part of the sequence alone. Refuse it."""
+    layers = policy.layer_list()
+    if len(layers) == 0:
+        return
+    planned = [pattern for pattern, style in policy.tp_plan.items() if isinstance(style, Colwise)]
+    for path, module in layers[0].named_modules():
+        if not path or not _TOKEN_MIXERS.search(type(module).__name__):
+            continue
+        prefix = f"{policy.layers}.*.{path}."
+        if not any(p.startswith(prefix) for p in planned):
+            raise NotImplementedError(f"sequence_parallelism_mode='split_gather': {name}'s '{policy.layers}.*.{path}' "
+                                      f"({type(module).__name__}) mixes tokens but has no tp plan, so it would see "
+                                      f"only this rank's part of the sequence; use sequence_parallelism_mode="
+                                      f"'all_to_all' or no sequence parallelism.")
 
 
 class SequenceSpan(NamedTuple):

@@ -184,3 +184,21 @@ def test_config_check_names_the_number_and_valid_sizes():
     with pytest.raises(ValueError, match=r"tp_size=3 does not divide n_head=4"):
         get_autopolicy(mu.build("gpt2_lm")).check_tp(mu.gpt2_config(), 3)
     policy.check_tp(mu.llama_config(), 4)  # 8 heads, 4 kv heads, 64 intermediate: fine
+
+
+def test_split_gather_refuses_what_it_would_split_wrongly():
+    """split_gather gathers the sequence at tp regions only: a token-mixing block without a tp plan (Youtu's
+    attention) and multi-head latent attention's latent projections (MiniCPM3) are refused, naming the module;
+    Llama passes."""
+    import transformers
+    from shardformer.check.tiny import tiny_config
+    from shardformer.sequence_parallel import check_sequence_parallelism
+
+    for cls, match in ((transformers.YoutuForCausalLM, r"'layers\.\*\.self_attn' \(YoutuAttention\) mixes tokens"),
+                       (transformers.MiniCPM3ForCausalLM, r"multi-head latent attention \('layers\.\*\.self_attn\.kv_a")):
+        model = cls(tiny_config(cls.config_class))
+        with pytest.raises(NotImplementedError, match=match):
+            check_sequence_parallelism(get_autopolicy(model), "split_gather", model.config, 2)
+        check_sequence_parallelism(get_autopolicy(model), "all_to_all", model.config, 2)  # heads exchanged instead
+    llama = mu.build("llama_lm")
+    check_sequence_parallelism(get_autopolicy(llama), "split_gather", llama.config, 2)

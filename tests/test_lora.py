@@ -183,6 +183,8 @@ def check_lora(tmp_dir: str) -> None:
     _check_adapter_reloads(booster, model, base, reference, "llama_lm", os.path.join(tmp_dir, "dp-adapter"))
     _check_lazy_init_then_base_checkpoint(os.path.join(tmp_dir, "base"))
     _check_dropout_masks()
+    # zbv (pp=2 x dp=2): the adapters' nn.Linear go through the split backward's weight-gradient store
+    _train_like_peft("gpt2_lm", pp_size=2, num_microbatches=2, pp_style="zbv", num_model_chunks=2)
 
 
 # -- one process, no process group -----------------------------------------------------------------------------------

@@ -167,6 +167,8 @@ def check_activation_checkpointing(kind: str, config: GradientCheckpointConfig, 
 
 def _activation_checkpointing_cases():
     check_activation_checkpointing("gpt2_lm", GradientCheckpointConfig(), 4, tp_size=2)
+    # regions of several column layers (q, k, v; gate, up) whose weight gradients the region entry computes
+    check_activation_checkpointing("llama_lm", GradientCheckpointConfig(), 4, tp_size=2)
     # sequence parallelism: dropout on the sequence shard draws per-rank masks, recomputed identically
     check_activation_checkpointing("gpt2_lm", GradientCheckpointConfig(), 4, tp_size=2, enable_sequence_parallelism=True)
     # exact against the unsharded model too (no dropout), with ZeRO-2 and clipping

@@ -14,13 +14,13 @@ longer than the plain one).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["WeightGradStore", "deferring", "linear", "linear_param_grads"]
+__all__ = ["WeightGradStore", "deferring", "linear", "linear_param_grads", "stored_linear"]
 
 _store: Optional["WeightGradStore"] = None  # the store the running forward binds its linear layers to
 
@@ -34,7 +34,7 @@ def linear_param_grads(x: Tensor, grad: Tensor, transposed: bool, has_bias: bool
 
 
 class WeightGradStore:
-    """The weight-gradient work a split backward (I) left for later (W): one entry per linear layer call."""
+    """Weight-gradient work left for later: one entry per linear layer call (its input and output gradient)."""
 
     def __init__(self) -> None:
         self._work: List[tuple] = []
@@ -45,19 +45,23 @@ class WeightGradStore:
     def __len__(self) -> int:
         return len(self._work)
 
-    def run(self) -> None:
-        """W: accumulate the stored weight (and bias) gradients into `.grad`; the store is emptied."""
-        params, grads = [], []
+    def take(self) -> Dict[int, Tuple[Tensor, Tensor]]:
+        """{id(parameter): (parameter, its gradient)} over the stored calls (a layer called twice: summed); the store
+        is emptied."""
+        out: Dict[int, Tuple[Tensor, Tensor]] = {}
         for weight, bias, x, grad, transposed in self._work:
-            g_weight, g_bias = linear_param_grads(x, grad, transposed, bias is not None)
-            params.append(weight)
-            grads.append(g_weight)
-            if bias is not None:
-                params.append(bias)
-                grads.append(g_bias)
+            for param, g in zip((weight, bias), linear_param_grads(x, grad, transposed, bias is not None)):
+                if param is not None:
+                    out[id(param)] = (param, g if id(param) not in out else out[id(param)][1] + g)
         self._work = []
-        if params:
-            torch.autograd.backward(_Deliver.apply(grads, *params))
+        return out
+
+    def run(self) -> None:
+        """W: accumulate the stored weight (and bias) gradients into `.grad` (one autograd call); the store is
+        emptied."""
+        taken = list(self.take().values())
+        if taken:
+            torch.autograd.backward(_Deliver.apply([g for _, g in taken], *[p for p, _ in taken]))
 
 
 @contextlib.contextmanager
@@ -74,10 +78,16 @@ def deferring(store: Optional[WeightGradStore]) -> Iterator[None]:
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, transposed: bool = False) -> Tensor:
     """`x @ W^T + b` (`transposed`: `x @ W + b`, W stored (in, out) as transformers' Conv1D); inside `deferring`
     its weight gradient goes to the store."""
-    w = weight.t() if transposed else weight
     if _store is None or not torch.is_grad_enabled() or not weight.requires_grad:
-        return F.linear(x, w, bias)
-    return _StoredLinear.apply(x, weight, bias, transposed, _store)
+        return F.linear(x, weight.t() if transposed else weight, bias)
+    return stored_linear(x, weight, bias, transposed, _store)
+
+
+def stored_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool,
+                  store: WeightGradStore) -> Tensor:
+    """`linear` whose backward computes the input gradient only and leaves the weight and bias gradients to
+    `store` (their autograd gradient is None)."""
+    return _StoredLinear.apply(x, weight, bias, transposed, store)
 
 
 class _StoredLinear(torch.autograd.Function):

@@ -106,14 +106,11 @@ def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: 
             continue
         if mode == "split_gather" and ((isinstance(style, Colwise) and style.gather_output)
                                        or (isinstance(style, Rowwise) and style.split_input)):
-            raise NotImplementedError(f"sequence_parallelism_mode='split_gather': {name}'s tp plan entry "
-                                      f"'{pattern}' ({style}) works on the full, replicated sequence inside a layer; "
-                                      f"use sequence_parallelism_mode='all_to_all' or no sequence parallelism.")
+            _refuse_split_gather(f"{name}'s tp plan entry '{pattern}' ({style}) works on the full, replicated "
+                                 f"sequence inside a layer")
         if mode == "split_gather" and isinstance(style, SharedTailGrad):
-            raise NotImplementedError(f"sequence_parallelism_mode='split_gather': {name} has multi-head latent "
-                                      f"attention ('{pattern}'), whose latent projections read the gathered sequence "
-                                      f"outside the attention's entry; use sequence_parallelism_mode='all_to_all' or "
-                                      f"no sequence parallelism.")
+            _refuse_split_gather(f"{name} has multi-head latent attention ('{pattern}'), whose latent projections "
+                                 f"read the gathered sequence outside the attention's entry")
         if mode == "all_to_all" and isinstance(style, SplitParam):
             raise NotImplementedError(f"sequence_parallelism_mode='all_to_all': {name} has per-head parameters "
                                       f"('{pattern}') its attention reads, which the heads exchange would not "
@@ -124,6 +121,11 @@ def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: 
                              f"that divides {style.num_heads}, or sequence_parallelism_mode='split_gather'.")
     if mode == "split_gather":
         _check_mixers_are_regions(policy, name)
+
+
+def _refuse_split_gather(reason: str) -> None:
+    raise NotImplementedError(f"sequence_parallelism_mode='split_gather': {reason}; use sequence_parallelism_mode="
+                              f"'all_to_all' or no sequence parallelism.")
 
 
 _TOKEN_MIXERS = re.compile(r"Attention|Attn|Mamba|Mixer|DeltaNet")  # transformers' names of token-mixing blocks
@@ -141,10 +143,8 @@ def _check_mixers_are_regions(policy: Policy, name: str) -> None:
             continue
         prefix = f"{policy.layers}.*.{path}."
         if not any(p.startswith(prefix) for p in planned):
-            raise NotImplementedError(f"sequence_parallelism_mode='split_gather': {name}'s '{policy.layers}.*.{path}' "
-                                      f"({type(module).__name__}) mixes tokens but has no tp plan, so it would see "
-                                      f"only this rank's part of the sequence; use sequence_parallelism_mode="
-                                      f"'all_to_all' or no sequence parallelism.")
+            _refuse_split_gather(f"{name}'s '{policy.layers}.*.{path}' ({type(module).__name__}) mixes tokens but "
+                                 f"has no tp plan, so it would see only this rank's part of the sequence")
 
 
 class SequenceSpan(NamedTuple):

@@ -19,9 +19,8 @@ from torch.distributed import ProcessGroup
 
 from .comm import (all_gather_along, gather_from_sequence, gather_from_tp, get_tp_rank, get_tp_world_size,
                    reduce_from_tp, reduce_scatter_to_sequence, split_to_tp)
-from pipeline.split_backward import linear, linear_param_grads
+from pipeline.split_backward import linear, linear_param_grads, stored_linear
 
-from .deferred import deferred_linear
 from .region import RegionInput
 from .spec import UnshardedStateDict, TPSpec, get_tp_spec, set_tp_spec, shard_parameter
 
@@ -205,7 +204,7 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
             region = region if region is not None else RegionInput(x, self.tp_group, members=(self,))
             x = region.copied()
             if region.defers(self):
-                out = deferred_linear(x, self, region.deferred)
+                out = stored_linear(x, self.weight, self.bias, self.is_conv1d, region.deferred.store)
             else:
                 out = linear(x, self.weight, self.bias, self.is_conv1d)
         return self.gather(out) if self.gathers_output else out

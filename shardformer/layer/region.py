@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from .comm import copy_to_tp, gather_from_sequence, get_tp_world_size
-from .deferred import DeferredWeightGrads, enter_deferring
+from .deferred import Deferring, enter_deferring
 
 __all__ = ["RegionInput", "ShardSource", "enter_region"]
 
@@ -38,7 +38,7 @@ class RegionInput:
                  members: Sequence[nn.Module] = ()) -> None:
         self.source, self.group, self.shard, self.members = source, group, shard, members
         self._copied: Optional[Tensor] = None
-        self.deferred: Optional[DeferredWeightGrads] = None
+        self.deferred: Optional[Deferring] = None
 
     def copied(self) -> Tensor:
         """The input as split-input modules read it (its gradient is summed over the group)."""
@@ -53,7 +53,7 @@ class RegionInput:
 
     def defers(self, layer: nn.Module) -> bool:
         """Does `layer` hand its weight gradient to this entry (call after `copied()`)?"""
-        return self.deferred is not None and self.deferred.holds(layer)
+        return self.deferred is not None and any(layer is m for m in self.deferred.layers)
 
     def holds(self, x: Tensor) -> bool:
         """Is `x` this region's input, as given or as entered?"""

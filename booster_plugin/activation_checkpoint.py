@@ -4,8 +4,10 @@
 transformers checkpoints a layer's `forward`, not `__call__`, so module hooks on the layer (the pipeline stage-exit
 hook) do not run again in the recomputation; torch's checkpoint restores the default RNG state (the dropout masks
 of replicated activations). What it cannot know is the tensor-parallel tracker's private per-rank state (dropout
-on split heads, shardformer/layer/dropout.py): `_with_tracker_state` replays the recomputation from the private
-state the forward started with and leaves the tracker's progression untouched, so masks are identical.
+on split heads, shardformer/layer/dropout.py) and the weight-gradient store a zbv forward binds its linear layers
+to (pipeline/split_backward.py): `_replaying_forward_state` replays the recomputation from the private state the
+forward started with (leaving the tracker's progression untouched, so masks are identical) and under the same
+store (so it saves what the forward saved).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from torch import nn
 
+from pipeline.split_backward import bound_store, deferring
 from shardformer.layer.dropout import TPRNGTracker
 
 
@@ -42,20 +45,26 @@ class GradientCheckpointConfig:
         return int(self.gradient_checkpointing_ratio * num_layers)
 
 
-def _with_tracker_state(checkpoint_fn: Callable, tracker: TPRNGTracker) -> Callable:
+def _replaying_forward_state(checkpoint_fn: Callable, tracker: Optional[TPRNGTracker]) -> Callable:
     def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
-        forward_state = tracker.local_states  # the private state this layer's forward starts from
+        # the private RNG state this layer's forward starts from, and the weight-gradient store its linear layers
+        # are bound to (zbv, pipeline/split_backward.py): the recomputation must save what the forward saved
+        forward_state = tracker.local_states if tracker is not None else None
+        store = bound_store()
         calls = []
 
         def run(*a: Any, **k: Any) -> Any:
             calls.append(None)
             if len(calls) == 1:  # the forward itself
                 return function(*a, **k)
-            progressed, tracker.local_states = tracker.local_states, forward_state  # the recomputation
-            try:
-                return function(*a, **k)
-            finally:
-                tracker.local_states = progressed
+            with deferring(store):  # the recomputation
+                if tracker is None:
+                    return function(*a, **k)
+                progressed, tracker.local_states = tracker.local_states, forward_state
+                try:
+                    return function(*a, **k)
+                finally:
+                    tracker.local_states = progressed
 
         return checkpoint_fn(run, *args, **kwargs)
 
@@ -81,5 +90,5 @@ def apply_activation_checkpointing(model: nn.Module, held_layers: Sequence[nn.Mo
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     for i, layer in enumerate(held_layers):
         layer.gradient_checkpointing = i < counts[stage]
-        if tracker is not None and layer.gradient_checkpointing:
-            layer._gradient_checkpointing_func = _with_tracker_state(layer._gradient_checkpointing_func, tracker)
+        if layer.gradient_checkpointing:
+            layer._gradient_checkpointing_func = _replaying_forward_state(layer._gradient_checkpointing_func, tracker)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["WeightGradStore", "deferring", "linear", "linear_param_grads", "stored_linear"]
+__all__ = ["WeightGradStore", "bound_store", "deferring", "linear", "linear_param_grads", "stored_linear"]
 
 _store: Optional["WeightGradStore"] = None  # the store the running forward binds its linear layers to
 
@@ -75,6 +75,11 @@ def deferring(store: Optional[WeightGradStore]) -> Iterator[None]:
         _store = previous
 
 
+def bound_store() -> Optional[WeightGradStore]:
+    """The store the running forward binds its linear layers to (None outside `deferring`)."""
+    return _store
+
+
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, transposed: bool = False) -> Tensor:
     """`x @ W^T + b` (`transposed`: `x @ W + b`, W stored (in, out) as transformers' Conv1D); inside `deferring`
     its weight gradient goes to the store."""
@@ -95,13 +100,15 @@ class _StoredLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool,
                 store: WeightGradStore) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.bias, ctx.transposed, ctx.store = bias, transposed, store
+        # the parameters themselves, for the store: a saved tensor may come back as another tensor object (activation
+        # checkpointing's recomputation returns detached copies), which autograd could not deliver a gradient to
+        ctx.params, ctx.transposed, ctx.store = (weight, bias), transposed, store
         return F.linear(x, weight.t() if transposed else weight, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
-        ctx.store.add(weight, ctx.bias, x, grad, ctx.transposed)
+        ctx.store.add(*ctx.params, x, grad, ctx.transposed)
         grad_x = grad @ (weight.t() if ctx.transposed else weight) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None, None
 

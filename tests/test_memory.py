@@ -169,6 +169,10 @@ def _activation_checkpointing_cases():
     check_activation_checkpointing("gpt2_lm", GradientCheckpointConfig(), 4, tp_size=2)
     # regions of several column layers (q, k, v; gate, up) whose weight gradients the region entry computes
     check_activation_checkpointing("llama_lm", GradientCheckpointConfig(), 4, tp_size=2)
+    # zbv: the recomputation binds the linear layers to the forward's weight-gradient store (the same saved tensors),
+    # and W delivers to the parameters themselves, not to the recomputed copies
+    check_activation_checkpointing("llama_lm", GradientCheckpointConfig(), 1, pp_size=2, num_microbatches=2,
+                                   pp_style="zbv", num_model_chunks=2)
     # sequence parallelism: dropout on the sequence shard draws per-rank masks, recomputed identically
     check_activation_checkpointing("gpt2_lm", GradientCheckpointConfig(), 4, tp_size=2, enable_sequence_parallelism=True)
     # exact against the unsharded model too (no dropout), with ZeRO-2 and clipping

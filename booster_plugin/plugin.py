@@ -62,6 +62,8 @@ class HybridParallelPlugin:
         enable_metadata_cache: send P2P shapes only when they change.
         ddp_bucket_cap_mb: size of the data-parallel gradient buckets.
         p2p_transport: "p2p" (batched isend/irecv) or "broadcast".
+        pp_schedule_costs: "measured" (zbv: after the first training step with a number of microbatches, re-plan the
+            order for the compute times measured on every rank; pipeline/refine.py) or "unit" (the unit-cost order).
         seed: dropout RNG seed (identical masks across tp for replicated activations).
         trace: record a timeline of the schedule (also HP_TRACE=1).
         loss_weight_fn: `micro_batch -> number of loss items`, for a token-weighted loss.
@@ -82,7 +84,7 @@ class HybridParallelPlugin:
                  sequence_parallelism_mode: Optional[str] = None, sp_size: Optional[int] = None,
                  parallel_output: bool = True, make_vocab_size_divisible_by: int = 64,
                  enable_metadata_cache: bool = True, ddp_bucket_cap_mb: float = 25, p2p_transport: str = "p2p",
-                 seed: int = 1024, trace: Optional[bool] = None,
+                 pp_schedule_costs: str = "measured", seed: int = 1024, trace: Optional[bool] = None,
                  loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]] = None, timeout: Optional[float] = None,
                  check_batches: bool = True, on_nonfinite: str = "skip",
                  initial_scale: float = 2 ** 16, growth_factor: float = 2, backoff_factor: float = 0.5,
@@ -126,6 +128,8 @@ class HybridParallelPlugin:
             raise ValueError(f"ddp_bucket_cap_mb={ddp_bucket_cap_mb} must be > 0.")
         if p2p_transport not in ("p2p", "broadcast"):
             raise ValueError(f"p2p_transport={p2p_transport!r}: use 'p2p' or 'broadcast'.")
+        if pp_schedule_costs not in ("measured", "unit"):
+            raise ValueError(f"pp_schedule_costs={pp_schedule_costs!r}: use 'measured' or 'unit'.")
         check_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by, 1)
         custom_policy = as_policy(custom_policy)  # ours as is, Parallelformers-style translated, else TypeError
         if loss_weight_fn is not None and pp_size == 1 and not (num_microbatches or microbatch_size):
@@ -179,7 +183,7 @@ class HybridParallelPlugin:
                                            enable_metadata_cache=enable_metadata_cache)
             self.schedule = PipelineSchedule(self._stage_manager, p2p,
                                              pp_size if self.auto_microbatches else num_microbatches,
-                                             microbatch_size, pp_style)
+                                             microbatch_size, pp_style, pp_schedule_costs == "measured")
             if loss_weight_fn is not None:
                 self.schedule.loss_scales_fn = self._token_weighted_scales(loss_weight_fn)
             if trace if trace is not None else os.environ.get("HP_TRACE", "0") not in ("", "0"):

@@ -9,6 +9,7 @@ microbatches (or the `loss_scales_fn` weighting) is the step's loss, broadcast t
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from .actions import B, COMM, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, peer_stage
 from .p2p import BACKWARD, FORWARD, PipelineP2PCommunication
+from .refine import agree_on_refined
 from .schedules import Schedule, forward_only, make_schedule
 from .simulator import simulate
 from .split_backward import WeightGradStore, deferring
@@ -121,6 +123,7 @@ class _Step:
         self.saved: Dict[Tuple[int, int], Tuple[Any, Any]] = {}  # (input, output) until the backward is done
         self.split: frozenset = frozenset()  # this rank's W actions: their forwards' backward is split into I and W
         self.weight_work: Dict[Tuple[int, int], WeightGradStore] = {}  # what each such W will compute
+        self.durations: Optional[Dict[Tuple[str, int], List[float]]] = None  # measured compute, (kind, stage)
 
 
 class PipelineSchedule:
@@ -133,11 +136,14 @@ class PipelineSchedule:
         num_microbatches: microbatches per step (or give `microbatch_size`).
         microbatch_size: samples per microbatch.
         style: "1f1b", "interleaved" or "zbv" (pipeline/schedules.py).
+        measured_costs: for "zbv", time the compute of the first training step with a number of microbatches and
+            re-plan the order for those costs (pipeline/refine.py; a collective at the end of that step); False
+            keeps the unit-cost order.
     """
 
     def __init__(self, stage_manager: PipelineStageManager, p2p: PipelineP2PCommunication,
                  num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
-                 style: str = "1f1b") -> None:
+                 style: str = "1f1b", measured_costs: bool = True) -> None:
         if (num_microbatches is None) == (microbatch_size is None):
             raise ValueError("Give exactly one of num_microbatches or microbatch_size to the pipeline schedule.")
         if style != "1f1b" and p2p.transport != "p2p":
@@ -146,6 +152,8 @@ class PipelineSchedule:
         self.stage_manager, self.p2p, self.style = stage_manager, p2p, style
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
         self._plans: Dict[int, Tuple[Schedule, float]] = {}
+        self._to_measure = style == "zbv" and measured_costs  # numbers of microbatches whose plan is re-planned:
+        self._measured: set = set()                           # ... after their first training step
         if num_microbatches is not None:
             self._plan(num_microbatches)  # invalid (style, p, m) fails here, before any step
         self.peak_inflight_microbatches = 0  # (virtual stage, microbatch) activations alive at once on this rank
@@ -155,12 +163,25 @@ class PipelineSchedule:
         self.loss_scales_fn: Optional[Callable[[List[Dict[str, Any]]], tuple]] = None
 
     def _plan(self, m: int) -> Tuple[Schedule, float]:
-        """The schedule for m microbatches and its bubble under unit costs (the theory the trace compares with)."""
+        """The schedule for m microbatches and its simulated bubble (the theory the trace compares with): under
+        unit costs, or under the measured costs it was re-planned for."""
         if m not in self._plans:
             sm = self.stage_manager
             schedule = make_schedule(self.style, sm.num_stages, sm.num_model_chunks, m)
             self._plans[m] = schedule, simulate(schedule).bubble
         return self._plans[m]
+
+    def use_schedule(self, schedule: Schedule) -> None:
+        """Run `schedule` (e.g. one built or refined by hand: pipeline/refine.py) for its number of microbatches;
+        it must be the same on every rank. Checked by the simulator first (raises ScheduleError).
+
+        Args:
+            schedule: per-rank action lists for this pipeline's layout.
+        """
+        if schedule.layout != self.stage_manager.layout:
+            raise ValueError(f"The schedule is for {schedule.layout}, this pipeline is {self.stage_manager.layout}.")
+        self._plans[schedule.num_microbatches] = schedule, simulate(schedule).bubble
+        self._measured.add(schedule.num_microbatches)
 
     def _span(self, kind: str, microbatch: int = -1):
         return _NO_SPAN if self.tracer is None else self.tracer.span(kind, microbatch)
@@ -195,6 +216,9 @@ class PipelineSchedule:
         st = _Step(model, criterion, optimizer, microbatches, scales, weights, return_outputs, self.p2p.device)
         actions = schedule.actions[sm.stage]
         st.split = frozenset(a for a in actions if a.kind == W)
+        measuring = training and self._to_measure and m not in self._measured
+        if measuring:
+            st.durations = {}
         # data-parallel reduction: launched by gradient hooks in the rank's last gradient action only, and never
         # when the user accumulates gradients (booster.no_sync), whose setting is restored afterwards
         user_sync = getattr(model, "require_grad_sync", None)
@@ -211,7 +235,10 @@ class PipelineSchedule:
                 batch = self._communicate(batch, st)
                 if user_sync is not None and action.kind in (B, I, W):
                     model.require_grad_sync = user_sync and k == last_grad
+                start = time.perf_counter()
                 self._compute(action, st)
+                if measuring:
+                    st.durations.setdefault((action.kind, action.stage), []).append(time.perf_counter() - start)
             self._communicate(batch, st)
             self.p2p.flush()
         finally:
@@ -223,6 +250,9 @@ class PipelineSchedule:
             loss = st.loss
             if sm.num_stages > 1:  # the loss lives with the last virtual stage; give it to every stage
                 dist.broadcast(loss, src=sm.last_rank, group=sm.pp_group)
+        if measuring:  # every rank re-plans from the same measured costs (a collective over all ranks)
+            self._plans[m] = agree_on_refined(schedule, st.durations, self.p2p.device)
+            self._measured.add(m)
         outputs = merge_outputs([st.outputs[i] for i in sorted(st.outputs)]) if st.outputs else None
         return {"loss": loss, "outputs": outputs}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from transformers import (OPTConfig, OPTForCausalLM, BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel, GPT2Config,
@@ -99,13 +99,14 @@ def microbatch_mean_loss(model, batch: Dict[str, torch.Tensor], microbatch_size:
 
 def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int = 8, lr: float = 1e-3,
                    max_norm: float = 0.0, tol: float = 1e-5, save_to: Optional[str] = None,
-                   resume_from: Optional[Tuple[str, int]] = None, **plugin_kwargs) -> None:
+                   resume_from: Optional[Tuple[str, int]] = None, prepare: Optional[Callable[[Any], None]] = None,
+                   **plugin_kwargs) -> None:
     """Train the boosted model and the unsharded reference on the same global batches and compare everything.
 
     `tol` loosens the comparison for mixed precision (the reference stays fp32). The gradients compared are those
     the optimizer stepped (fp32 masters, unscaled; with ZeRO all-gathered from the dp slices). `save_to`: save
     model and optimizer there at the end; `resume_from=(directory, n)`: load them (saved after step n) and train
-    steps n..steps-1 (the reference trains all)."""
+    steps n..steps-1 (the reference trains all). `prepare(plugin)` runs after boosting (e.g. to set a schedule)."""
     plugin = HybridParallelPlugin(max_norm=max_norm, **plugin_kwargs)
     booster = Booster(plugin=plugin)
     reference = build(kind, layers)
@@ -116,6 +117,8 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, eps=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
     model, opt, *_ = booster.boost(model, opt, criterion)
+    if prepare is not None:
+        prepare(plugin)
     reference.train()
     model.train()
     tp_group = plugin.tp_group if plugin.tp_size > 1 else None

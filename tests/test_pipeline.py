@@ -5,8 +5,10 @@ import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
 from pipeline import PipelineStageManager
+from pipeline.actions import B, F, I, Action, add_communication
 from pipeline.p2p import flatten, unflatten
 from pipeline.schedule import split_batch
+from pipeline.simulator import simulate
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 from tests.test_memory import eight_rank_cases as eight_rank_memory_cases
@@ -130,6 +132,7 @@ def _two_ranks(tmp_dir: str):
     mu.check_training("llama_lm", layers=6, pp_size=2, num_microbatches=4, num_layers_per_stage=[1, 2, 2, 1],
                       **INTERLEAVED)
     _check_memory_promise(ZBV)
+    _check_zbv_plans_for_measured_costs()
     _check_auto_split()
 
 
@@ -162,6 +165,30 @@ def _check_memory_promise(style=None):
     assert plugin.schedule.peak_inflight_microbatches == expected <= promised, plugin.schedule.peak_inflight_microbatches
 
 
+def _check_zbv_plans_for_measured_costs():
+    """zbv re-plans its order once per number of microbatches, after the first training step, from the compute times
+    measured on every rank (pipeline/refine.py); the next steps train exactly under it (check_training: 2 steps).
+    A schedule set by hand through use_schedule, here with every backward whole (B, no I/W split), trains exactly."""
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=4, **ZBV)
+    booster = Booster(plugin=plugin)
+    model = mu.build("llama_lm")
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    unit = plugin.schedule._plan(4)[0]
+    booster.execute_pipeline(iter([mu.make_batch("llama_lm", 8, 0)]), model, mu.criterion, opt)
+    refined = plugin.schedule._plan(4)[0]
+    assert refined is not unit and simulate(refined).makespan > 0  # re-planned, and valid
+    with torch.no_grad():  # evaluation neither measures nor re-plans
+        booster.execute_pipeline(iter([mu.make_batch("llama_lm", 8, 1)]), model, mu.criterion)
+    assert plugin.schedule._plan(4)[0] is refined
+    off = HybridParallelPlugin(pp_size=2, num_microbatches=4, pp_schedule_costs="unit", **ZBV)
+    assert not off.schedule._to_measure
+    compute = [[Action(B, a.stage, a.microbatch) if a.kind == I else a for a in acts if a.kind in (F, I)]
+               for acts in unit.actions]
+    whole = unit._replace(actions=add_communication(compute, unit.layout))
+    mu.check_training("llama_lm", pp_size=2, num_microbatches=4, prepare=lambda p: p.schedule.use_schedule(whole),
+                      **ZBV)
+
+
 def _check_policy_reports_what_the_stage_holds():
     """ColossalAI's Policy API on a sharded GPT-2: held layers per stage, and the tied embedding/head as shared."""
     plugin = HybridParallelPlugin(pp_size=2, num_microbatches=2)
@@ -186,6 +213,8 @@ def _check_schedule_input_errors():
         HybridParallelPlugin(pp_size=2, num_microbatches=3, **INTERLEAVED)
     with pytest.raises(ValueError, match="pp_style='zbv' needs num_model_chunks=2"):
         HybridParallelPlugin(pp_size=2, num_microbatches=2, pp_style="zbv")
+    with pytest.raises(ValueError, match="pp_schedule_costs='fast': use 'measured' or 'unit'"):
+        HybridParallelPlugin(pp_size=2, num_microbatches=2, pp_schedule_costs="fast", **ZBV)
     with pytest.raises(ValueError, match="Unknown pp_style 'gpipe'"):
         HybridParallelPlugin(pp_size=2, num_microbatches=2, pp_style="gpipe")
     with pytest.raises(ValueError, match="p2p_transport='p2p'"):

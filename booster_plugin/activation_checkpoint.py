@@ -22,7 +22,8 @@ from shardformer.layer.dropout import TPRNGTracker
 
 @dataclass
 class GradientCheckpointConfig:
-    """How many held decoder layers each pipeline stage checkpoints (the first ones of the stage).
+    """How many held decoder layers each pipeline stage checkpoints (the first ones of the stage; with several model
+    chunks per rank, a stage's layers are those of all its chunks).
 
     `num_ckpt_layers_per_stage` (one count per stage, like ColossalAI's PipelineGradientCheckpointConfig) wins;
     else `gradient_checkpointing_ratio` of each stage's layers (rounded down; ColossalAI's GradientCheckpointConfig).

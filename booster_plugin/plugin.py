@@ -255,8 +255,10 @@ class HybridParallelPlugin:
         shared_names = sharder.shard()
         if self.pp_style == "zbv":  # its backward is split into I and W (pipeline/split_backward.py)
             prepare_split_backward(model)
+        per_stage, layout = policy.layers_per_stage() if self.pp_size > 1 else [policy.num_layers()], \
+            self._stage_manager.layout  # counted per pipeline rank: a rank's chunks together
         apply_activation_checkpointing(model, list(policy.layer_list()), self.stage,
-                                       policy.layers_per_stage() if self.pp_size > 1 else [policy.num_layers()],
+                                       [sum(per_stage[s] for s in layout.stages_of(r)) for r in range(self.pp_size)],
                                        self.gradient_checkpoint_config, rng_tracker)
         if self.precision in _DTYPES:
             model.to(_DTYPES[self.precision])

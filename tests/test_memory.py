@@ -171,8 +171,11 @@ def _activation_checkpointing_cases():
     check_activation_checkpointing("llama_lm", GradientCheckpointConfig(), 4, tp_size=2)
     # zbv: the recomputation binds the linear layers to the forward's weight-gradient store (the same saved tensors),
     # and W delivers to the parameters themselves, not to the recomputed copies
-    check_activation_checkpointing("llama_lm", GradientCheckpointConfig(), 1, pp_size=2, num_microbatches=2,
+    # both chunks of a rank count as its stage: all 2 held layers are checkpointed, and a per-stage count of 1
+    check_activation_checkpointing("llama_lm", GradientCheckpointConfig(), 2, pp_size=2, num_microbatches=2,
                                    pp_style="zbv", num_model_chunks=2)
+    check_activation_checkpointing("llama_lm", GradientCheckpointConfig(num_ckpt_layers_per_stage=[1, 1]), 1,
+                                   pp_size=2, num_microbatches=2, pp_style="zbv", num_model_chunks=2)
     # sequence parallelism: dropout on the sequence shard draws per-rank masks, recomputed identically
     check_activation_checkpointing("gpt2_lm", GradientCheckpointConfig(), 4, tp_size=2, enable_sequence_parallelism=True)
     # exact against the unsharded model too (no dropout), with ZeRO-2 and clipping

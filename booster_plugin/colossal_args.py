@@ -48,9 +48,6 @@ UNACTED_ARGS: Dict[str, Unacted] = {
     "check_reduction": Unacted(False, False, ""),
     "gradient_as_bucket_view": Unacted(False, False, ""),
     "static_graph": Unacted(False, False, ""),
-    # not implemented and result-changing: refused when asked for
-    "scheduler_nodes": Unacted(None, True, "custom zero-bubble schedule nodes are not implemented; leave "
-                                           "scheduler_nodes unset"),
 }
 
 

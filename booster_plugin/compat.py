@@ -8,6 +8,7 @@
 | `colossalai.lazy.LazyInitContext`            | `booster_plugin.compat.LazyInitContext`      |
 | `colossalai.accelerator.get_accelerator`     | `booster_plugin.compat.get_accelerator`      |
 | `colossalai.utils.set_seed`                  | `booster_plugin.compat.set_seed`             |
+| `colossalai.pipeline.schedule.v_schedule.PipelineGraph` | `booster_plugin.compat.PipelineGraph` (v_schedule.py) |
 
 Each is built on torch: torch.distributed for the coordinator, torch.optim.Adam for HybridAdam, the meta device for
 lazy initialization (the plugin materializes only each rank's shard at `boost`), torch.accelerator for devices.
@@ -26,8 +27,10 @@ import torch
 import torch.distributed as dist
 
 from .launch import default_device, ensure_distributed
+from .v_schedule import PipelineGraph, ScheduledNode
 
-__all__ = ["DistCoordinator", "HybridAdam", "LazyInitContext", "get_accelerator", "launch_from_torch", "set_seed"]
+__all__ = ["DistCoordinator", "HybridAdam", "LazyInitContext", "PipelineGraph", "ScheduledNode", "get_accelerator",
+           "launch_from_torch", "set_seed"]
 
 
 def set_seed(seed: int) -> None:

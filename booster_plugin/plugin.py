@@ -30,6 +30,7 @@ from .launch import agree_on_layout, alias, check_int, default_device, ensure_di
 from .mixed_precision import DynamicLossScaler, LossScalerConfig
 from .optimizer import HybridParallelOptimizer
 from .parallel_module import HybridParallelModule
+from .v_schedule import schedule_from_nodes
 from .zero import ZeroOptimizer, check_zero_optimizer
 
 DP_AXIS, PP_AXIS, TP_AXIS = 0, 1, 2
@@ -62,6 +63,8 @@ class HybridParallelPlugin:
         enable_metadata_cache: send P2P shapes only when they change.
         ddp_bucket_cap_mb: size of the data-parallel gradient buckets.
         p2p_transport: "p2p" (batched isend/irecv) or "broadcast".
+        scheduler_nodes: ColossalAI's zbv order (`PipelineGraph(...).get_v_schedule()`, booster_plugin/v_schedule.py),
+            run as given; default: ours.
         pp_schedule_costs: "measured" (zbv: after the first training step with a number of microbatches, re-plan the
             order for the compute times measured on every rank; pipeline/refine.py) or "unit" (the unit-cost order).
         seed: dropout RNG seed (identical masks across tp for replicated activations).
@@ -84,7 +87,7 @@ class HybridParallelPlugin:
                  sequence_parallelism_mode: Optional[str] = None, sp_size: Optional[int] = None,
                  parallel_output: bool = True, make_vocab_size_divisible_by: int = 64,
                  enable_metadata_cache: bool = True, ddp_bucket_cap_mb: float = 25, p2p_transport: str = "p2p",
-                 pp_schedule_costs: str = "measured", seed: int = 1024, trace: Optional[bool] = None,
+                 pp_schedule_costs: str = "measured", scheduler_nodes: Optional[Sequence[Sequence[Any]]] = None, seed: int = 1024, trace: Optional[bool] = None,
                  loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]] = None, timeout: Optional[float] = None,
                  check_batches: bool = True, on_nonfinite: str = "skip",
                  initial_scale: float = 2 ** 16, growth_factor: float = 2, backoff_factor: float = 0.5,
@@ -120,6 +123,8 @@ class HybridParallelPlugin:
         layout = layout_for(pp_style, pp_size, num_model_chunks)  # pp_style "1f1b", "interleaved" or "zbv"
         if pp_style != "1f1b" and (pp_size == 1 or p2p_transport != "p2p"):
             raise ValueError(f"pp_style={pp_style!r} needs pp_size > 1 and p2p_transport='p2p'.")
+        nodes = schedule_from_nodes(scheduler_nodes, pp_style, layout, num_microbatches,
+                                    dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0")))
         self.sp_mode = resolve_mode(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size,
                                     dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0")))
         if max_norm < 0:
@@ -184,6 +189,8 @@ class HybridParallelPlugin:
             self.schedule = PipelineSchedule(self._stage_manager, p2p,
                                              pp_size if self.auto_microbatches else num_microbatches,
                                              microbatch_size, pp_style, pp_schedule_costs == "measured")
+            if nodes is not None:
+                self.schedule.use_schedule(nodes)
             if loss_weight_fn is not None:
                 self.schedule.loss_scales_fn = self._token_weighted_scales(loss_weight_fn)
             if trace if trace is not None else os.environ.get("HP_TRACE", "0") not in ("", "0"):

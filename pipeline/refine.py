@@ -55,13 +55,14 @@ def _makespan(schedule: Schedule, orders: Sequence[Sequence[Action]], cost) -> O
 
 
 def refine(schedule: Schedule, cost: Callable[[Action], float], reach: int = 6, max_trials: int = 3000,
-           max_seconds: float = 2.0) -> Schedule:
+           max_seconds: float = 2.0, merge: bool = True) -> Schedule:
     """Improve `schedule` for `cost` by local search (first improvement), within its activation promise.
 
     Args:
         schedule: a valid schedule (what the simulator accepts).
         cost: time of a compute action (`cost_of(table)`).
         reach: how many places an action may move in one trial.
+        merge: also try merging an I with its W into one B.
         max_trials, max_seconds: the search stops at whichever comes first (each trial is one simulation).
     """
     orders = _compute_orders(schedule)
@@ -73,7 +74,7 @@ def refine(schedule: Schedule, cost: Callable[[Action], float], reach: int = 6, 
     def budget_left() -> bool:
         return trials < max_trials and time.perf_counter() < deadline
 
-    for merging in (False, True):  # first the order, then which backwards need not be split
+    for merging in (False, True)[:1 + merge]:  # first the order, then which backwards need not be split
         improved = True
         while improved and budget_left():
             improved = False

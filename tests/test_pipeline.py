@@ -4,8 +4,11 @@ import torch
 import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
+from booster_plugin.compat import PipelineGraph, ScheduledNode
+from booster_plugin.v_schedule import nodes_to_schedule
 from pipeline import PipelineStageManager
 from pipeline.actions import B, F, I, Action, add_communication
+from pipeline.layout import V, StageLayout
 from pipeline.p2p import flatten, unflatten
 from pipeline.schedule import split_batch
 from pipeline.simulator import simulate
@@ -133,6 +136,7 @@ def _two_ranks(tmp_dir: str):
                       **INTERLEAVED)
     _check_memory_promise(ZBV)
     _check_zbv_plans_for_measured_costs()
+    _check_colossalai_scheduler_nodes()
     _check_auto_split()
 
 
@@ -186,6 +190,23 @@ def _check_zbv_plans_for_measured_costs():
                for acts in unit.actions]
     whole = unit._replace(actions=add_communication(compute, unit.layout))
     mu.check_training("llama_lm", pp_size=2, num_microbatches=4, prepare=lambda p: p.schedule.use_schedule(whole),
+                      **ZBV)
+
+
+def _check_colossalai_scheduler_nodes():
+    """A ColossalAI zbv script's `scheduler_nodes=PipelineGraph(...).get_v_schedule()` runs that order as given
+    (transfer nodes in the lists are ignored: derived from the compute order) and trains exactly."""
+    nodes = PipelineGraph(n_stage=2, n_micro=4, f_cost=1000, b_cost=1000, w_cost=1000, c_cost=1, f_mem=1, b_mem=-1,
+                          w_mem=0).get_v_schedule()
+    assert [sorted({n.type for n in rank}) for rank in nodes] == [["B", "F", "W"]] * 2
+    lists = [[ScheduledNode("RECV_FORWARD", 0, r, 0)] + list(rank) + [ScheduledNode("SEND_BACKWARD", 1, r, 3)]
+             for r, rank in enumerate(nodes)]
+    expected = nodes_to_schedule(nodes, StageLayout(2, 2, V))
+
+    def runs_the_nodes(plugin):
+        assert plugin.schedule._plan(4)[0] == expected and 4 in plugin.schedule._measured  # not re-planned
+
+    mu.check_training("llama_lm", pp_size=2, num_microbatches=4, scheduler_nodes=lists, prepare=runs_the_nodes,
                       **ZBV)
 
 

@@ -11,12 +11,16 @@ import torch
 import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
+from booster_plugin.compat import PipelineGraph
 from shardformer import Policy
 from shardformer.loss_weights import causal_lm_label_tokens
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 
 # -- plugin arguments: refused at construction, naming the value and the valid choices (2 ranks) ---------------------
+ZBV2 = dict(pp_size=2, pp_style="zbv", num_model_chunks=2)
+NODES_M2 = PipelineGraph(n_stage=2, n_micro=2, f_cost=1, b_cost=1, w_cost=1, c_cost=0, f_mem=1, b_mem=-1,
+                         w_mem=0).get_v_schedule()  # ColossalAI's way to build scheduler_nodes
 CONFIG_CASES = [
     (dict(tp_size=0), ValueError, "tp_size must be an integer >= 1, got 0"),
     (dict(pp_size=-1), ValueError, "pp_size must be an integer >= 1, got -1"),
@@ -42,7 +46,11 @@ CONFIG_CASES = [
      "sequence_parallelism_mode='ring' is not supported; use 'split_gather'"),
     (dict(sp_size=2), NotImplementedError, "sp_size=2: sequence parallelism over a group of its own is not implemented"),
     (dict(tp_size=2, sp_size=4, enable_sequence_parallelism=True), NotImplementedError, "use tp_size=4 with"),
-    (dict(scheduler_nodes=[object()]), NotImplementedError, "scheduler_nodes"),
+    (dict(ZBV2, scheduler_nodes=[[]]), ValueError, "scheduler_nodes has 1 lists, one per pipeline stage is needed"),
+    (dict(ZBV2, scheduler_nodes=[[n for n in rank if n.type != "W"] for rank in NODES_M2]), ValueError,
+     "scheduler_nodes do not form a valid zero-bubble schedule: microbatch 0 misses its backward"),
+    (dict(ZBV2, num_microbatches=4, scheduler_nodes=NODES_M2), ValueError,
+     "scheduler_nodes order 2 microbatches but num_microbatches=4; build them with n_micro=4"),
     (dict(max_norm=-1.0), ValueError, "max_norm=-1.0 must be >= 0"),
     (dict(p2p_transport="nccl"), ValueError, "p2p_transport='nccl': use 'p2p' or 'broadcast'"),
     (dict(tp_sizes=2), TypeError, "unexpected keyword arguments \\['tp_sizes'\\]"),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from .colossal_args import check_unacted_args
 from .lora import LoRAState, adapter_file_keys, materialize_adapters, split_peft_model
 from .failure import FailureGuard
 from .launch import agree_on_layout, alias, check_int, default_device, ensure_distributed
+from .microbatches import default_num_microbatches, token_weighted_scales, without_empty_microbatches
 from .mixed_precision import DynamicLossScaler, LossScalerConfig
 from .optimizer import HybridParallelOptimizer
 from .parallel_module import HybridParallelModule
@@ -192,7 +193,7 @@ class HybridParallelPlugin:
             if nodes is not None:
                 self.schedule.use_schedule(nodes)
             if loss_weight_fn is not None:
-                self.schedule.loss_scales_fn = self._token_weighted_scales(loss_weight_fn)
+                self.schedule.loss_scales_fn = token_weighted_scales(loss_weight_fn, self.dp_group, self.device)
             if trace if trace is not None else os.environ.get("HP_TRACE", "0") not in ("", "0"):
                 self.schedule.tracer = ScheduleTracer(self._stage_manager.stage, pp_size)
 
@@ -211,22 +212,6 @@ class HybridParallelPlugin:
 
     def is_last_stage(self) -> bool:
         return self._stage_manager.is_last_stage()
-
-    def _token_weighted_scales(self, count: Callable[[Dict[str, Any]], Any]):
-        """Weigh each microbatch's (mean) loss by its share of the loss items (e.g. label tokens) of the whole
-        global batch, so that the step equals one process on the global batch even with padding."""
-
-        def scales(microbatches):
-            counts = torch.tensor([float(count(mb)) for mb in microbatches], dtype=torch.float64)
-            total = counts.sum().reshape(1).to(self.device)
-            local = float(total.item())
-            if self.dp_size > 1:  # gradients are averaged over replicas: scale by dp / global count
-                dist.all_reduce(total, group=self.dp_group)
-            backward = (counts * self.dp_size / max(float(total.item()), 1.0)).tolist()
-            report = (counts / max(local, 1.0)).tolist()  # this replica's token mean
-            return backward, report
-
-        return scales
 
     # -- boosting ---------------------------------------------------------------------------------------
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
@@ -313,7 +298,7 @@ class HybridParallelPlugin:
             self.schedule.num_microbatches = default_num_microbatches(batch, self.pp_size,
                                                                       self.pp_style == "interleaved")
         if self.loss_weight_fn is not None and criterion is not None:
-            criterion = _without_empty_microbatches(criterion, self.loss_weight_fn)
+            criterion = without_empty_microbatches(criterion, self.loss_weight_fn)
         with self.failure_guard.step("execute_pipeline"):  # a failure from here on ends the step on every rank
             result = self.schedule.forward_backward_step(model, iter([batch]), criterion, optimizer, return_loss,
                                                          return_outputs)
@@ -362,34 +347,6 @@ class HybridParallelPlugin:
                                      seed=seed, drop_last=drop_last)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                           pin_memory=pin_memory, num_workers=num_workers, **kwargs)
-
-
-def default_num_microbatches(batch: Any, pp_size: int, multiple_of_pp: bool = False) -> int:
-    """Microbatches of a step when none were configured: the largest divisor of the batch size in [pp, 4 * pp]
-    (1F1B needs at least pp; more shrinks the bubble (p-1)/(m+p-1), at the cost of smaller microbatches); a
-    multiple of pp for the interleaved schedule."""
-    sizes = [v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0] \
-        if isinstance(batch, Mapping) else []
-    if not sizes:
-        return pp_size  # split_batch explains what is wrong with the batch
-    size = sizes[0]
-    for m in range(min(size, 4 * pp_size), pp_size - 1, -1):
-        if size % m == 0 and not (multiple_of_pp and m % pp_size):
-            return m
-    raise ValueError(f"A batch of {size} samples cannot be split into {pp_size} to {4 * pp_size} equal microbatches "
-                     f"for pp_size={pp_size}: use a batch size with such a divisor (e.g. {2 * pp_size}) or set "
-                     f"num_microbatches / microbatch_size.")
-
-
-def _without_empty_microbatches(criterion: Callable, count: Callable[[Dict[str, Any]], Any]) -> Callable:
-    """With a token-weighted loss a microbatch without loss items weighs 0, as in one process on the whole batch:
-    its (nan, 0/0) mean loss is replaced by 0, which also gives it zero gradients."""
-
-    def weighted(outputs, micro_batch):
-        loss = criterion(outputs, micro_batch)
-        return loss if float(count(micro_batch)) > 0 else torch.where(torch.isnan(loss), 0.0, loss)
-
-    return weighted
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: Dict[int, list], params: Dict[str, nn.Parameter]) -> None:

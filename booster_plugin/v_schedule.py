@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence
 
 from pipeline.actions import COMPUTE, F, I, W, Action, add_communication
 from pipeline.layout import StageLayout
-from pipeline.refine import cost_of, refine
+from pipeline.refine import refine
 from pipeline.schedules import Schedule, zero_bubble_v
 from pipeline.simulator import ScheduleError, simulate
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist

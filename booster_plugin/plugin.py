@@ -66,8 +66,10 @@ class HybridParallelPlugin:
         p2p_transport: "p2p" (batched isend/irecv) or "broadcast".
         scheduler_nodes: ColossalAI's zbv order (`PipelineGraph(...).get_v_schedule()`, booster_plugin/v_schedule.py),
             run as given; default: ours.
-        pp_schedule_costs: "measured" (zbv: after the first training step with a number of microbatches, re-plan the
-            order for the compute times measured on every rank; pipeline/refine.py) or "unit" (the unit-cost order).
+        pp_schedule_costs: "unit" (default: zbv's order generated for equal F, I, W times; bitwise reproducible) or
+            "measured" (zbv re-plans its order for the compute times of its first training step with a number of
+            microbatches, measured on every rank: pipeline/refine.py; faster, but the order, hence the rounding of
+            gradient sums and the dropout draws, then depends on timings).
         seed: dropout RNG seed (identical masks across tp for replicated activations).
         trace: record a timeline of the schedule (also HP_TRACE=1).
         loss_weight_fn: `micro_batch -> number of loss items`, for a token-weighted loss.
@@ -88,7 +90,7 @@ class HybridParallelPlugin:
                  sequence_parallelism_mode: Optional[str] = None, sp_size: Optional[int] = None,
                  parallel_output: bool = True, make_vocab_size_divisible_by: int = 64,
                  enable_metadata_cache: bool = True, ddp_bucket_cap_mb: float = 25, p2p_transport: str = "p2p",
-                 pp_schedule_costs: str = "measured", scheduler_nodes: Optional[Sequence[Sequence[Any]]] = None, seed: int = 1024, trace: Optional[bool] = None,
+                 pp_schedule_costs: str = "unit", scheduler_nodes: Optional[Sequence[Sequence[Any]]] = None, seed: int = 1024, trace: Optional[bool] = None,
                  loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]] = None, timeout: Optional[float] = None,
                  check_batches: bool = True, on_nonfinite: str = "skip",
                  initial_scale: float = 2 ** 16, growth_factor: float = 2, backoff_factor: float = 0.5,

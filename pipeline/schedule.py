@@ -143,7 +143,7 @@ class PipelineSchedule:
 
     def __init__(self, stage_manager: PipelineStageManager, p2p: PipelineP2PCommunication,
                  num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
-                 style: str = "1f1b", measured_costs: bool = True) -> None:
+                 style: str = "1f1b", measured_costs: bool = False) -> None:
         if (num_microbatches is None) == (microbatch_size is None):
             raise ValueError("Give exactly one of num_microbatches or microbatch_size to the pipeline schedule.")
         if style != "1f1b" and p2p.transport != "p2p":

@@ -170,10 +170,11 @@ def _check_memory_promise(style=None):
 
 
 def _check_zbv_plans_for_measured_costs():
-    """zbv re-plans its order once per number of microbatches, after the first training step, from the compute times
-    measured on every rank (pipeline/refine.py); the next steps train exactly under it (check_training: 2 steps).
+    """pp_schedule_costs="measured": zbv re-plans its order once per number of microbatches, after the first training
+    step, from the compute times measured on every rank (pipeline/refine.py); the next steps train exactly under it
+    (check_training: 2 steps).
     A schedule set by hand through use_schedule, here with every backward whole (B, no I/W split), trains exactly."""
-    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=4, **ZBV)
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=4, pp_schedule_costs="measured", **ZBV)
     booster = Booster(plugin=plugin)
     model = mu.build("llama_lm")
     model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -184,8 +185,8 @@ def _check_zbv_plans_for_measured_costs():
     with torch.no_grad():  # evaluation neither measures nor re-plans
         booster.execute_pipeline(iter([mu.make_batch("llama_lm", 8, 1)]), model, mu.criterion)
     assert plugin.schedule._plan(4)[0] is refined
-    off = HybridParallelPlugin(pp_size=2, num_microbatches=4, pp_schedule_costs="unit", **ZBV)
-    assert not off.schedule._to_measure
+    assert not HybridParallelPlugin(pp_size=2, num_microbatches=4, **ZBV).schedule._to_measure  # off by default
+    mu.check_training("gpt2_lm", pp_size=2, num_microbatches=4, pp_schedule_costs="measured", **ZBV)  # tied, exact
     compute = [[Action(B, a.stage, a.microbatch) if a.kind == I else a for a in acts if a.kind in (F, I)]
                for acts in unit.actions]
     whole = unit._replace(actions=add_communication(compute, unit.layout))

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .layer.replicated import sum_grad_over_tp
-from .layer.spec import TPSpec, get_tp_spec, shard_parameter
+from .layer.spec import TPSpec, get_tp_spec, shard_parameter, zero_padding
 from .regions import enter_tp_regions_once
 from .sequence_parallel import (SEQUENCE_DIM, apply_sequence_parallelism, check_sequence_parallelism, inside_layers,
                                 sequence_span)
@@ -170,13 +170,10 @@ class Sharder:
         finally:
             for t in flagged:
                 del t._is_hf_initialized
+        tp_world = dist.get_world_size(group) if group is not None else 1
         for p in self.model.parameters():  # vocab padding rows are zero, as sharding makes them
-            spec = get_tp_spec(p)
-            if id(p) in materialized and spec is not None and spec.full_size is not None:
-                dim = spec.dim % p.dim()
-                step = p.size(dim)  # vocab-parallel: one padded block per rank (n_fused == 1)
-                real = min(max(spec.full_size - tp_rank * step, 0), step)
-                p.data.narrow(dim, real, step - real).zero_()
+            if id(p) in materialized and get_tp_spec(p) is not None:
+                zero_padding(p.data, get_tp_spec(p), tp_rank, tp_world)
 
     # -- pipeline ----------------------------------------------------------------------------------------
     def _release_unheld_layers(self) -> None:

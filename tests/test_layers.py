@@ -30,6 +30,7 @@ from shardformer.layer import (
 )
 from shardformer.layer.comm import start_sum
 from shardformer.layer.region import RegionInput
+from shardformer.layer.spec import TPSpec, shard_tensor, zero_padding
 from tests.dist_utils import run_distributed
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -516,3 +517,19 @@ def test_single_process_is_identity() -> None:
     assert_close(VocabParallelEmbedding.from_native_module(emb, None, 4)(ids), emb(ids), **TOL)
     logits, target = torch.randn(7, 11), torch.randint(0, 11, (7,))
     assert_close(vocab_parallel_cross_entropy(logits, target, None, 0), F.cross_entropy(logits, target), **LOSS_TOL)
+
+
+def test_zero_padding_matches_the_shard_layout() -> None:
+    """A fresh init zeroes exactly the entries `shard_tensor` pads (vocab padding, fused areas included), on every
+    rank; reset_parameters of a padded column layer and embedding does."""
+    for spec, size in ((TPSpec(0, 1, 11, 16), 11), (TPSpec(1, 2, 10, 16), 10), (TPSpec(0, 1, 8), 8)):
+        full = torch.ones(size, 3) if spec.dim == 0 else torch.ones(3, size)
+        for rank in range(4):
+            expected = shard_tensor(full, spec, rank, 4)
+            fresh = torch.ones_like(expected)
+            zero_padding(fresh, spec, rank, 4)
+            assert torch.equal(fresh, expected), (spec, rank)
+    col = ColumnParallelLinear(6, 5, None, padded_out_features=8)
+    assert col.weight[5:].abs().sum() == 0 and col.weight[:5].abs().sum() > 0 and col.bias[5:].abs().sum() == 0
+    emb = VocabParallelEmbedding(11, 4, None, make_vocab_size_divisible_by=4)
+    assert emb.weight.shape[0] == 12 and emb.weight[11:].abs().sum() == 0 and emb.weight[:11].abs().sum() > 0

@@ -9,7 +9,7 @@ from torch.distributed import ProcessGroup
 from .comm import get_tp_rank, get_tp_world_size
 from .linear import ColumnParallelLinear
 from .vocab_split import combine_lookup, local_ids
-from .spec import UnshardedStateDict, TPSpec, get_tp_spec, padded_size, set_tp_spec, shard_parameter
+from .spec import UnshardedStateDict, TPSpec, get_tp_spec, padded_size, set_tp_spec, shard_parameter, zero_padding
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_lm_head"]
 
@@ -61,8 +61,7 @@ class VocabParallelEmbedding(UnshardedStateDict, nn.Module):
     def reset_parameters(self) -> None:
         """N(0, 1) init like nn.Embedding; padding rows and the padding_idx row are zero."""
         self.weight.normal_()
-        n_real = min(max(self.num_embeddings - self.vocab_start, 0), self.weight.size(0))
-        self.weight[n_real:].zero_()
+        zero_padding(self.weight, get_tp_spec(self.weight), self.tp_rank, self.tp_size)
         if self.local_padding_idx is not None:
             self.weight[self.local_padding_idx].zero_()
 

@@ -22,7 +22,7 @@ from .comm import (all_gather_along, gather_from_sequence, gather_from_tp, get_t
 from pipeline.split_backward import linear, linear_param_grads, stored_linear
 
 from .region import RegionInput
-from .spec import UnshardedStateDict, TPSpec, get_tp_spec, set_tp_spec, shard_parameter
+from .spec import UnshardedStateDict, TPSpec, get_tp_spec, set_tp_spec, shard_parameter, zero_padding
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceShard"]
 
@@ -172,11 +172,9 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         self.weight.uniform_(-bound, bound)
         if self.bias is not None:
             self.bias.uniform_(-bound, bound)
-        n_real = min(max(self.full_out_features - self.output_start, 0), self.out_features)
-        out_dim = 1 if self.is_conv1d else 0
-        self.weight.narrow(out_dim, n_real, self.out_features - n_real).zero_()
-        if self.bias is not None:
-            self.bias.narrow(0, n_real, self.out_features - n_real).zero_()
+        for p in (self.weight, self.bias):
+            if p is not None:
+                zero_padding(p, get_tp_spec(p), self.tp_rank, self.tp_size)
 
     @classmethod
     def from_native_module(

@@ -12,7 +12,7 @@ from torch.distributed import ProcessGroup
 from .comm import get_tp_world_size
 
 __all__ = ["TPSpec", "set_tp_spec", "get_tp_spec", "padded_size", "ShardRange", "shard_ranges", "shard_from",
-           "shard_tensor", "unshard", "gather_tensor", "shard_parameter", "UnshardedStateDict"]
+           "shard_tensor", "zero_padding", "unshard", "gather_tensor", "shard_parameter", "UnshardedStateDict"]
 
 
 @dataclass
@@ -99,6 +99,18 @@ def shard_tensor(full: Tensor, spec: TPSpec, rank: int, world: int) -> Tensor:
     full = full.detach()
     dim = spec.dim % full.dim()
     return shard_from(lambda lo, hi: full.narrow(dim, lo, hi - lo), full.size(dim), dim, spec, rank, world)
+
+
+@torch.no_grad()
+def zero_padding(shard: Tensor, spec: TPSpec, rank: int, world: int) -> None:
+    """Zero the padding entries of `rank`'s shard in place (e.g. after a fresh init), as `shard_tensor` makes them."""
+    if spec.full_size is None:
+        return
+    dim = spec.dim % shard.dim()
+    step = shard.size(dim) // spec.n_fused
+    for area, r in enumerate(shard_ranges(spec, spec.full_size, rank, world)):
+        if r.padding:
+            shard.narrow(dim, (area + 1) * step - r.padding, r.padding).zero_()
 
 
 def unshard(parts: Sequence[Tensor], spec: TPSpec) -> Tensor:

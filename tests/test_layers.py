@@ -259,14 +259,15 @@ def case_deferred_weight_grads(group) -> None:
 
 def case_sum_over_group(group) -> None:
     """start_sum equals all_reduce, the same bits on every rank; `x` stays untouched unless summed in place. With
-    gloo, power-of-two groups exchange with partners; other sizes (a 3-rank group in the 4-rank world) all-reduce."""
+    gloo, power-of-two groups exchange with partners up to 2 MiB (a 2.3 MiB tensor all-reduces); other sizes (a
+    3-rank group in the 4-rank world) all-reduce."""
     groups = [group]
     if group is None and dist.get_world_size() == 4:
         three = dist.new_group([0, 1, 2])
         groups += [three] if dist.get_rank() < 3 else []
-    for grp in groups:
+    for grp, shape in [(grp, shape) for grp in groups for shape in ((37, 5), (600, 1024))]:
         torch.manual_seed(100 + dist.get_rank())
-        x = torch.randn(37, 5)
+        x = torch.randn(*shape)
         expected, kept = x.clone(), x.clone()
         dist.all_reduce(expected, group=grp)
         for source in (x, x.t()):  # contiguous, and not

@@ -4,10 +4,12 @@ Each op is the identity when the group has one rank (or torch.distributed is not
 torch's single-tensor collectives (`all_gather_single`, `reduce_scatter_single`, `all_to_all_single`; gloo has all
 three) on a copy with the split dimension moved first.
 
-Sums over the tp group (`start_sum`) on gloo with a power-of-two group exchange whole tensors with one partner per
-round (recursive doubling: one round for tp=2) and add: on CPU a tp all-reduce is latency bound, and this is one
-send/receive per round where gloo's ring takes two steps per peer (measured 0.74 vs 1.0 ms for 1 MiB on two ranks).
-Every rank ends with the same bits (IEEE addition commutes: a + b == b + a). Other backends (NCCL) all-reduce.
+Sums over the tp group (`start_sum`) of up to 2 MiB on gloo with a power-of-two group exchange whole tensors with
+one partner per round (recursive doubling: one round for tp=2) and add: on CPU such an all-reduce is latency bound,
+and this is one send/receive per round where gloo's ring takes two steps per peer (measured 0.74 vs 1.0 ms for
+1 MiB on two ranks). Larger tensors are bandwidth bound, where gloo's ring moves half as much per rank (measured at
+two ranks: equal at 2 MiB, 4 MiB 3.2 vs 6.3 ms, 25 MiB 18.9 vs 23.6 ms), so they all-reduce, as other backends
+(NCCL) always do. Every rank ends with the same bits (IEEE addition commutes: a + b == b + a).
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ class PendingSum:
     def __init__(self, x: Tensor, group: ProcessGroup | None, in_place: bool) -> None:
         self.group, self._out, self._work = group, x.contiguous(), None
         self._owned = in_place or self._out is not x  # may the sum overwrite `_out`?
-        self._partners = _exchange_partners(group)
+        self._partners = _exchange_partners(group, self._out.numel() * self._out.element_size())
         if self._partners is None:  # one all-reduce (on a copy unless in place)
             if not self._owned:
                 self._out, self._owned = self._out.clone(), True
@@ -86,11 +88,14 @@ class PendingSum:
         return self._out
 
 
-def _exchange_partners(group: ProcessGroup | None) -> list[int] | None:
-    """Group ranks this rank exchanges with, round by round (recursive doubling), for gloo and a power-of-two
-    group; None: all-reduce instead."""
+_EXCHANGE_MAX_BYTES = 2 << 20
+
+
+def _exchange_partners(group: ProcessGroup | None, nbytes: int) -> list[int] | None:
+    """Group ranks this rank exchanges with, round by round (recursive doubling), for gloo, a power-of-two group
+    and at most 2 MiB; None: all-reduce instead."""
     world = dist.get_world_size(group)
-    if world & (world - 1) or dist.get_backend(group) != "gloo":
+    if world & (world - 1) or nbytes > _EXCHANGE_MAX_BYTES or dist.get_backend(group) != "gloo":
         return None
     rank = dist.get_rank(group)
     return [rank ^ (1 << k) for k in range(world.bit_length() - 1)]

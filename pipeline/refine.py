@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -131,7 +132,11 @@ def agree_on_refined(schedule: Schedule, durations: Mapping[Tuple[str, int], Seq
     width = 3 * schedule.layout.num_chunks * schedule.num_microbatches
     encoded = torch.full((schedule.layout.num_ranks, width, 3), -1, dtype=torch.int64, device=device)
     if dist.get_rank() == 0:
-        refined = schedule if missing else refine(schedule, cost)
+        try:  # whatever happens here, rank 0 reaches the broadcast the other ranks wait in
+            refined = schedule if missing else refine(schedule, cost)
+        except Exception as error:  # noqa: BLE001 - a planning failure must not hang the job: keep the order
+            warnings.warn(f"Re-planning the pipeline schedule failed ({error!r}); keeping the unit-cost order.")
+            refined = schedule
         for r, order in enumerate(_compute_orders(refined)):
             encoded[r, :len(order)] = torch.tensor([[_KINDS.index(a.kind), a.stage, a.microbatch] for a in order])
     dist.broadcast(encoded, src=0)

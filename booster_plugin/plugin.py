@@ -31,7 +31,7 @@ from .microbatches import default_num_microbatches, token_weighted_scales, witho
 from .mixed_precision import DynamicLossScaler, LossScalerConfig
 from .optimizer import HybridParallelOptimizer
 from .parallel_module import HybridParallelModule
-from .v_schedule import schedule_from_nodes
+from .v_schedule import fingerprint, schedule_from_nodes
 from .zero import ZeroOptimizer, check_zero_optimizer
 
 DP_AXIS, PP_AXIS, TP_AXIS = 0, 1, 2
@@ -138,6 +138,9 @@ class HybridParallelPlugin:
             raise ValueError(f"p2p_transport={p2p_transport!r}: use 'p2p' or 'broadcast'.")
         if pp_schedule_costs not in ("measured", "unit"):
             raise ValueError(f"pp_schedule_costs={pp_schedule_costs!r}: use 'measured' or 'unit'.")
+        if pp_schedule_costs == "measured" and pp_style == "zbv" and num_microbatches is None:
+            raise ValueError("pp_schedule_costs='measured' re-plans at a step every rank takes together: give "
+                             "num_microbatches (the same on every replica).")
         check_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by, 1)
         custom_policy = as_policy(custom_policy)  # ours as is, Parallelformers-style translated, else TypeError
         if loss_weight_fn is not None and pp_size == 1 and not (num_microbatches or microbatch_size):
@@ -153,8 +156,8 @@ class HybridParallelPlugin:
         agree_on_layout(tp_size=tp_size, pp_size=pp_size, num_microbatches=num_microbatches or 0,
                          microbatch_size=microbatch_size or 0, zero_stage=zero_stage,
                          precision=_SUPPORTED_PRECISIONS.index(precision), check_batches=int(check_batches),
-                         num_model_chunks=num_model_chunks,
-                         sequence_parallelism_mode=(None, *SEQUENCE_PARALLEL_MODES).index(self.sp_mode))
+                         num_model_chunks=num_model_chunks, pp_schedule_costs=int(pp_schedule_costs == "measured"),
+                         scheduler_nodes=fingerprint(nodes), sequence_parallelism_mode=(None, *SEQUENCE_PARALLEL_MODES).index(self.sp_mode))
         self.failure_guard = FailureGuard.shared()
         world = dist.get_world_size()
         if world % (tp_size * pp_size):

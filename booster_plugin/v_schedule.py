@@ -11,6 +11,7 @@ takes ColossalAI's arguments and returns our zbv order refined for its F/B/W cos
 from __future__ import annotations
 
 import warnings
+import zlib
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
@@ -20,7 +21,7 @@ from pipeline.refine import refine
 from pipeline.schedules import Schedule, zero_bubble_v
 from pipeline.simulator import ScheduleError, simulate
 
-__all__ = ["PipelineGraph", "ScheduledNode", "nodes_to_schedule"]
+__all__ = ["PipelineGraph", "ScheduledNode", "fingerprint", "nodes_to_schedule"]
 
 _KIND = {"F": F, "B": I, "W": W}  # ColossalAI's B is the backward for the inputs (our I)
 
@@ -59,7 +60,9 @@ def nodes_to_schedule(nodes: Sequence[Sequence[Any]], layout: StageLayout) -> Sc
             order.append(Action(_KIND[node.type], layout.stage_of(rank, node.chunk), int(node.minibatch)))
         orders.append(order)
     minibatches = {a.microbatch for order in orders for a in order}
-    m = max(minibatches, default=-1) + 1
+    if not minibatches:
+        raise ValueError("scheduler_nodes hold no F, B or W node: build them with PipelineGraph(...).get_v_schedule().")
+    m = max(minibatches) + 1
     unbounded = Schedule(layout, m, add_communication(orders, layout), [2 * layout.num_stages * m] * layout.num_ranks)
     try:
         peak = simulate(unbounded).peak_activations
@@ -86,6 +89,13 @@ def schedule_from_nodes(nodes: Optional[Sequence[Sequence[Any]]], pp_style: str,
     return schedule
 
 
+def fingerprint(schedule: Optional[Schedule]) -> int:
+    """A checksum of a schedule's per-rank orders (0 for None), so that ranks can check they were given the same."""
+    if schedule is None:
+        return 0
+    return zlib.crc32(repr(schedule.actions).encode()) + 1
+
+
 class PipelineGraph:
     """ColossalAI's `PipelineGraph` (colossalai.pipeline.schedule.v_schedule): `get_v_schedule()` gives the zbv
     order as nodes for `scheduler_nodes`. Ours is the zbv generator's order refined for `f_cost`, `b_cost` (input
@@ -99,7 +109,8 @@ class PipelineGraph:
 
     def _schedule(self) -> Schedule:
         schedule = zero_bubble_v(self.n_stage, self.n_micro)
-        return refine(schedule, self._cost, merge=False)  # ColossalAI's nodes have no merged backward
+        # every rank builds its nodes: a search bounded by trials only gives all of them the same order
+        return refine(schedule, self._cost, merge=False, max_seconds=float("inf"))
 
     def _cost(self, action: Action) -> float:
         return self.costs[action.kind]

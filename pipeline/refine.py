@@ -120,26 +120,36 @@ def agree_on_refined(schedule: Schedule, durations: Mapping[Tuple[str, int], Seq
         device: where collectives take tensors (cpu for gloo).
     """
     stages = schedule.layout.num_stages
-    table = torch.zeros(stages, len(_KINDS), 2, dtype=torch.float64, device=device)  # (sum of medians, ranks)
+    table = torch.zeros(stages, len(_KINDS), 2, dtype=torch.float64)  # (sum of medians, ranks), built on the CPU
     for (kind, stage), seconds in durations.items():
         if seconds:
             table[stage, _KINDS.index(kind)] += torch.tensor([statistics.median(seconds), 1.0], dtype=torch.float64)
+    table = table.to(device)
     dist.all_reduce(table)
+    table = table.cpu()
     costs = {(kind, s): (table[s, k, 0] / table[s, k, 1]).item()
              for s in range(stages) for k, kind in enumerate(_KINDS) if table[s, k, 1] > 0}
     missing = [(kind, s) for s in range(stages) for kind in (F, I, W) if (kind, s) not in costs]
     cost = cost_of(costs)
     width = 3 * schedule.layout.num_chunks * schedule.num_microbatches
-    encoded = torch.full((schedule.layout.num_ranks, width, 3), -1, dtype=torch.int64, device=device)
+    encoded = torch.full((schedule.layout.num_ranks, width, 3), -1, dtype=torch.int64)
     if dist.get_rank() == 0:
         try:  # whatever happens here, rank 0 reaches the broadcast the other ranks wait in
-            refined = schedule if missing else refine(schedule, cost)
+            _encode(schedule if missing else refine(schedule, cost), encoded)
         except Exception as error:  # noqa: BLE001 - a planning failure must not hang the job: keep the order
             warnings.warn(f"Re-planning the pipeline schedule failed ({error!r}); keeping the unit-cost order.")
-            refined = schedule
-        for r, order in enumerate(_compute_orders(refined)):
-            encoded[r, :len(order)] = torch.tensor([[_KINDS.index(a.kind), a.stage, a.microbatch] for a in order])
+            encoded.fill_(-1)
+            _encode(schedule, encoded)
+    encoded = encoded.to(device)
     dist.broadcast(encoded, src=0)
+    encoded = encoded.cpu()
     orders = [[Action(_KINDS[k], s, mb) for k, s, mb in row.tolist() if k >= 0] for row in encoded]
     refined = schedule._replace(actions=add_communication(orders, schedule.layout))
     return refined, (simulate(refined, cost).bubble if not missing else simulate(refined).bubble)
+
+
+def _encode(schedule: Schedule, out: torch.Tensor) -> None:
+    """Per-rank compute orders as rows of (kind index, virtual stage, microbatch); -1 pads."""
+    for r, order in enumerate(_compute_orders(schedule)):
+        for k, a in enumerate(order):
+            out[r, k] = torch.tensor([_KINDS.index(a.kind), a.stage, a.microbatch])

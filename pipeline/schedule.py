@@ -235,10 +235,11 @@ class PipelineSchedule:
                 batch = self._communicate(batch, st)
                 if user_sync is not None and action.kind in (B, I, W):
                     model.require_grad_sync = user_sync and k == last_grad
-                start = time.perf_counter()
+                start = _clock(measuring, self.p2p.device)
                 self._compute(action, st)
                 if measuring:
-                    st.durations.setdefault((action.kind, action.stage), []).append(time.perf_counter() - start)
+                    st.durations.setdefault((action.kind, action.stage), []).append(
+                        _clock(measuring, self.p2p.device) - start)
             self._communicate(batch, st)
             self.p2p.flush()
         finally:
@@ -343,3 +344,10 @@ class PipelineSchedule:
 def _split_pairs(output_obj: Any, output_grad: Any) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     pairs = list(_grad_pairs(output_obj, output_grad)) if output_obj is not None else []
     return [t for t, _ in pairs], [g for _, g in pairs]
+
+
+def _clock(measuring: bool, device: torch.device) -> float:
+    """Seconds for timing compute; on an accelerator its queued work is waited for first (measuring only)."""
+    if measuring and device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    return time.perf_counter()

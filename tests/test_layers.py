@@ -28,9 +28,9 @@ from shardformer.layer import (
     vocab_parallel_lm_head,
     wrap_module_forward_in_local_rng,
 )
-from shardformer.layer.comm import start_sum
+from shardformer.layer.comm import _exchange_partners, start_sum
 from shardformer.layer.region import RegionInput
-from shardformer.layer.spec import TPSpec, shard_tensor, zero_padding
+from shardformer.layer.spec import zero_padding
 from tests.dist_utils import run_distributed
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -275,6 +275,8 @@ def case_sum_over_group(group) -> None:
             assert out is not source and torch.equal(x, kept)
             assert_close(out, expected if source is x else expected.t(), atol=1e-6, rtol=1e-6)
             assert _all_equal_across(out, grp)
+        exchanged = dist.get_world_size(grp) in (2, 4) and x.numel() * 4 <= 2 << 20
+        assert (_exchange_partners(grp, x.numel() * 4) is not None) == exchanged
         y = x.clone()
         assert start_sum(y, grp, in_place=True).wait() is y and _all_equal_across(y, grp)
         assert_close(y, expected, atol=1e-6, rtol=1e-6)

@@ -49,6 +49,8 @@ CONFIG_CASES = [
     (dict(ZBV2, scheduler_nodes=[[]]), ValueError, "scheduler_nodes has 1 lists, one per pipeline stage is needed"),
     (dict(ZBV2, scheduler_nodes=[[n for n in rank if n.type != "W"] for rank in NODES_M2]), ValueError,
      "scheduler_nodes do not form a valid zero-bubble schedule: microbatch 0 misses its backward"),
+    (dict(ZBV2, scheduler_nodes=[[], []]), ValueError, "scheduler_nodes hold no F, B or W node"),
+    (dict(ZBV2, pp_schedule_costs="measured"), ValueError, "pp_schedule_costs='measured' re-plans at a step every"),
     (dict(ZBV2, num_microbatches=4, scheduler_nodes=NODES_M2), ValueError,
      "scheduler_nodes order 2 microbatches but num_microbatches=4; build them with n_micro=4"),
     (dict(max_norm=-1.0), ValueError, "max_norm=-1.0 must be >= 0"),

@@ -64,7 +64,7 @@ def test_refine_plans_for_measured_costs():
     cost = cost_of(table)
     assert cost(Action(B, 3, 0)) == 40.0  # a B without its own entry: I + W
     unit = zero_bubble_v(2, 4)
-    refined = refine(unit, cost)
+    refined = refine(unit, cost, max_seconds=float("inf"))  # bounded by trials: independent of load
     before, after = simulate(unit, cost), simulate(refined, cost)  # simulate raises if refined were invalid
     assert after.makespan <= 0.97 * before.makespan, (before.makespan, after.makespan)
     assert after.makespan >= max(after.busy)  # not below the busiest rank's work (486 ms here)

@@ -102,9 +102,9 @@ def shard_tensor(full: Tensor, spec: TPSpec, rank: int, world: int) -> Tensor:
 
 
 @torch.no_grad()
-def zero_padding(shard: Tensor, spec: TPSpec, rank: int, world: int) -> None:
+def zero_padding(shard: Tensor, spec: TPSpec | None, rank: int, world: int) -> None:
     """Zero the padding entries of `rank`'s shard in place (e.g. after a fresh init), as `shard_tensor` makes them."""
-    if spec.full_size is None:
+    if spec is None or spec.full_size is None:
         return
     dim = spec.dim % shard.dim()
     step = shard.size(dim) // spec.n_fused

@@ -90,7 +90,8 @@ class HybridParallelPlugin:
                  sequence_parallelism_mode: Optional[str] = None, sp_size: Optional[int] = None,
                  parallel_output: bool = True, make_vocab_size_divisible_by: int = 64,
                  enable_metadata_cache: bool = True, ddp_bucket_cap_mb: float = 25, p2p_transport: str = "p2p",
-                 pp_schedule_costs: str = "unit", scheduler_nodes: Optional[Sequence[Sequence[Any]]] = None, seed: int = 1024, trace: Optional[bool] = None,
+                 pp_schedule_costs: str = "unit", scheduler_nodes: Optional[Sequence[Sequence[Any]]] = None,
+                 seed: int = 1024, trace: Optional[bool] = None,
                  loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]] = None, timeout: Optional[float] = None,
                  check_batches: bool = True, on_nonfinite: str = "skip",
                  initial_scale: float = 2 ** 16, growth_factor: float = 2, backoff_factor: float = 0.5,
@@ -126,10 +127,9 @@ class HybridParallelPlugin:
         layout = layout_for(pp_style, pp_size, num_model_chunks)  # pp_style "1f1b", "interleaved" or "zbv"
         if pp_style != "1f1b" and (pp_size == 1 or p2p_transport != "p2p"):
             raise ValueError(f"pp_style={pp_style!r} needs pp_size > 1 and p2p_transport='p2p'.")
-        nodes = schedule_from_nodes(scheduler_nodes, pp_style, layout, num_microbatches,
-                                    dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0")))
-        self.sp_mode = resolve_mode(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size,
-                                    dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0")))
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))  # (for warnings)
+        nodes = schedule_from_nodes(scheduler_nodes, pp_style, layout, num_microbatches, rank)
+        self.sp_mode = resolve_mode(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size, rank)
         if max_norm < 0:
             raise ValueError(f"max_norm={max_norm} must be >= 0 (0 turns clipping off).")
         if ddp_bucket_cap_mb <= 0:
@@ -157,7 +157,8 @@ class HybridParallelPlugin:
                          microbatch_size=microbatch_size or 0, zero_stage=zero_stage,
                          precision=_SUPPORTED_PRECISIONS.index(precision), check_batches=int(check_batches),
                          num_model_chunks=num_model_chunks, pp_schedule_costs=int(pp_schedule_costs == "measured"),
-                         scheduler_nodes=fingerprint(nodes), sequence_parallelism_mode=(None, *SEQUENCE_PARALLEL_MODES).index(self.sp_mode))
+                         scheduler_nodes=fingerprint(nodes),
+                         sequence_parallelism_mode=(None, *SEQUENCE_PARALLEL_MODES).index(self.sp_mode))
         self.failure_guard = FailureGuard.shared()
         world = dist.get_world_size()
         if world % (tp_size * pp_size):
@@ -252,8 +253,8 @@ class HybridParallelPlugin:
         shared_names = sharder.shard()
         if self.pp_style == "zbv":  # its backward is split into I and W (pipeline/split_backward.py)
             prepare_split_backward(model)
-        per_stage, layout = policy.layers_per_stage() if self.pp_size > 1 else [policy.num_layers()], \
-            self._stage_manager.layout  # counted per pipeline rank: a rank's chunks together
+        per_stage = policy.layers_per_stage() if self.pp_size > 1 else [policy.num_layers()]
+        layout = self._stage_manager.layout  # checkpointing counts per pipeline rank: a rank's chunks together
         apply_activation_checkpointing(model, list(policy.layer_list()), self.stage,
                                        [sum(per_stage[s] for s in layout.stages_of(r)) for r in range(self.pp_size)],
                                        self.gradient_checkpoint_config, rng_tracker)

@@ -151,5 +151,5 @@ def agree_on_refined(schedule: Schedule, durations: Mapping[Tuple[str, int], Seq
 def _encode(schedule: Schedule, out: torch.Tensor) -> None:
     """Per-rank compute orders as rows of (kind index, virtual stage, microbatch); -1 pads."""
     for r, order in enumerate(_compute_orders(schedule)):
-        for k, a in enumerate(order):
-            out[r, k] = torch.tensor([_KINDS.index(a.kind), a.stage, a.microbatch])
+        if order:
+            out[r, :len(order)] = torch.tensor([[_KINDS.index(a.kind), a.stage, a.microbatch] for a in order])

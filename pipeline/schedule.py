@@ -235,11 +235,10 @@ class PipelineSchedule:
                 batch = self._communicate(batch, st)
                 if user_sync is not None and action.kind in (B, I, W):
                     model.require_grad_sync = user_sync and k == last_grad
-                start = _clock(measuring, self.p2p.device)
-                self._compute(action, st)
                 if measuring:
-                    st.durations.setdefault((action.kind, action.stage), []).append(
-                        _clock(measuring, self.p2p.device) - start)
+                    self._timed_compute(action, st)
+                else:
+                    self._compute(action, st)
             self._communicate(batch, st)
             self.p2p.flush()
         finally:
@@ -284,6 +283,16 @@ class PipelineSchedule:
             st.outbox[Action(SEND_F if forward else SEND_B, stage, microbatch)] = obj
 
     # -- compute -------------------------------------------------------------------------------------------
+    def _timed_compute(self, action: Action, st: _Step) -> None:
+        """`_compute`, its seconds recorded in `st.durations` (on an accelerator, queued work is waited for)."""
+        device = self.p2p.device
+        sync = torch.accelerator.synchronize if device.type != "cpu" else lambda _: None
+        sync(device)
+        start = time.perf_counter()
+        self._compute(action, st)
+        sync(device)
+        st.durations.setdefault((action.kind, action.stage), []).append(time.perf_counter() - start)
+
     def _compute(self, action: Action, st: _Step) -> None:
         sm = self.stage_manager
         stage, i = action.stage, action.microbatch
@@ -344,10 +353,3 @@ class PipelineSchedule:
 def _split_pairs(output_obj: Any, output_grad: Any) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     pairs = list(_grad_pairs(output_obj, output_grad)) if output_obj is not None else []
     return [t for t, _ in pairs], [g for _, g in pairs]
-
-
-def _clock(measuring: bool, device: torch.device) -> float:
-    """Seconds for timing compute; on an accelerator its queued work is waited for first (measuring only)."""
-    if measuring and device.type != "cpu":
-        torch.accelerator.synchronize(device)
-    return time.perf_counter()

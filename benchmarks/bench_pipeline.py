@@ -1,11 +1,11 @@
-"""Our schedules (HybridParallelPlugin, pp=2: 1F1B, interleaved with 2 chunks per rank, zero-bubble V) vs
+"""Our schedules (HybridParallelPlugin, pp=2: 1F1B, interleaved with 2 chunks per rank, zero-bubble V, DualPipeV) vs
 torch.distributed.pipelining (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble,
 ScheduleDualPipeV) vs one process, on the same small Llama, same init, same data, one thread per rank, 2 gloo/CPU
 ranks.
 
 Llama: hidden 256, 8 layers, 4 heads, vocab 1024, seq 128, batch 8, AdamW, 4 microbatches. Single-chunk schedules
 split 4+4; the multi-chunk ones (ours and torch's) use the same 4 chunks of 2 layers, placed in a loop
-(interleaved: rank 0 holds chunks 0 and 2) or a V (zbv, DualPipeV: rank 0 holds chunks 0 and 3).
+(interleaved: rank 0 holds chunks 0 and 2) or a V (zbv, dualpipev: rank 0 holds chunks 0 and 3).
 The torch-pipelining chunks are hand-built from the HF modules (embedding on the first, norm + lm_head on the last,
 rotary from model.model.rotary_emb, causal mask from transformers' own create_causal_mask) with a shifted
 cross-entropy loss_fn, i.e. the same math as LlamaForCausalLM(labels=...).
@@ -166,7 +166,10 @@ def build_single(reference, accumulate: bool):
 OURS = {"ours 1F1B": {}, "ours interleaved (v=2)": {"pp_style": "interleaved", "num_model_chunks": 2},
         "ours zbv": {"pp_style": "zbv", "num_model_chunks": 2},
         # re-planned for the costs measured in the warm-up step
-        "ours zbv, measured costs": {"pp_style": "zbv", "num_model_chunks": 2, "pp_schedule_costs": "measured"}}
+        "ours zbv, measured costs": {"pp_style": "zbv", "num_model_chunks": 2, "pp_schedule_costs": "measured"},
+        "ours dualpipev": {"pp_style": "dualpipev", "num_model_chunks": 2},
+        "ours dualpipev, measured costs": {"pp_style": "dualpipev", "num_model_chunks": 2,
+                                           "pp_schedule_costs": "measured"}}
 TORCH = {"torch Schedule1F1B": (Schedule1F1B, "single"), "torch ScheduleGPipe": (ScheduleGPipe, "single"),
          "torch ScheduleInterleaved1F1B": (ScheduleInterleaved1F1B, "loop"),
          "torch ScheduleZBVZeroBubble": (ScheduleZBVZeroBubble, "v"), "torch ScheduleDualPipeV": (ScheduleDualPipeV, "v")}
@@ -229,7 +232,10 @@ def main() -> None:
         "ours_interleaved_over_ScheduleInterleaved1F1B_tokens_per_s":
             pr("torch ScheduleInterleaved1F1B", "ours interleaved (v=2)"),
         "ours_zbv_over_ScheduleZBVZeroBubble_tokens_per_s": pr("torch ScheduleZBVZeroBubble", "ours zbv"),
+        "ours_dualpipev_over_ScheduleDualPipeV_tokens_per_s": pr("torch ScheduleDualPipeV", "ours dualpipev"),
         "ours_zbv_measured_over_unit_cost_order_tokens_per_s": pr("ours zbv", "ours zbv, measured costs"),
+        "ours_dualpipev_measured_over_unit_cost_order_tokens_per_s":
+            pr("ours dualpipev", "ours dualpipev, measured costs"),
         # no schedule beats the busiest rank's work: its CPU time per step in 1F1B (no split backward, idle excluded)
         "work_bound_speedup_over_one_process": med[SINGLE] / max(cpu_med["ours 1F1B"]),
     }
@@ -259,8 +265,12 @@ def main() -> None:
         ["ours interleaved / torch ScheduleInterleaved1F1B",
          f"{ratios['ours_interleaved_over_ScheduleInterleaved1F1B_tokens_per_s']:.3f}"],
         ["ours zbv / torch ScheduleZBVZeroBubble", f"{ratios['ours_zbv_over_ScheduleZBVZeroBubble_tokens_per_s']:.3f}"],
+        ["ours dualpipev / torch ScheduleDualPipeV",
+         f"{ratios['ours_dualpipev_over_ScheduleDualPipeV_tokens_per_s']:.3f}"],
         ["ours zbv: measured-cost / unit-cost order",
          f"{ratios['ours_zbv_measured_over_unit_cost_order_tokens_per_s']:.3f}"],
+        ["ours dualpipev: measured-cost / unit-cost order",
+         f"{ratios['ours_dualpipev_measured_over_unit_cost_order_tokens_per_s']:.3f}"],
         ["bound: one process / busiest rank's CPU per step in ours 1F1B (no bubble, no split)",
          f"{ratios['work_bound_speedup_over_one_process']:.3f}"],
     ]))
@@ -275,7 +285,7 @@ def main() -> None:
         traces[sub] = trace_ours(reference, batches, os.path.join(C.RESULTS_DIR, "trace", sub), **style)
     if rank == 0:
         results["trace_bubbles"] = traces
-        say(C.table(["schedule", "measured bubble", "schedule's own bubble (simulated; zbv: measured costs)"],
+        say(C.table(["schedule", "measured bubble", "own bubble (simulated; *_measured: under measured costs)"],
                     [[k, f"{v['measured_bubble']:.1%}", f"{v['theoretical_bubble']:.1%}"] for k, v in traces.items()]))
     C.finish(NAME, results, rank, t_start, say, watchdog="180 s per step")
 

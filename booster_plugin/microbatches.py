@@ -11,21 +11,22 @@ import torch.distributed as dist
 __all__ = ["default_num_microbatches", "token_weighted_scales", "without_empty_microbatches"]
 
 
-def default_num_microbatches(batch: Any, pp_size: int, multiple_of_pp: bool = False) -> int:
+def default_num_microbatches(batch: Any, pp_size: int, pp_style: str = "1f1b") -> int:
     """Microbatches of a step when none were configured: the largest divisor of the batch size in [pp, 4 * pp]
     (1F1B needs at least pp; more shrinks the bubble (p-1)/(m+p-1), at the cost of smaller microbatches); a
-    multiple of pp for the interleaved schedule."""
+    multiple of pp for the interleaved schedule, at least 2 * pp for dualpipev."""
+    multiple_of_pp, least = pp_style == "interleaved", 2 * pp_size if pp_style == "dualpipev" else pp_size
     sizes = [v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0] \
         if isinstance(batch, Mapping) else []
     if not sizes:
         return pp_size  # split_batch explains what is wrong with the batch
     size = sizes[0]
-    for m in range(min(size, 4 * pp_size), pp_size - 1, -1):
+    for m in range(min(size, 4 * pp_size), least - 1, -1):
         if size % m == 0 and not (multiple_of_pp and m % pp_size):
             return m
-    raise ValueError(f"A batch of {size} samples cannot be split into {pp_size} to {4 * pp_size} equal microbatches "
-                     f"for pp_size={pp_size}: use a batch size with such a divisor (e.g. {2 * pp_size}) or set "
-                     f"num_microbatches / microbatch_size.")
+    raise ValueError(f"A batch of {size} samples cannot be split into {least} to {4 * pp_size} equal microbatches "
+                     f"for pp_size={pp_size}, pp_style={pp_style!r}: use a batch size with such a divisor (e.g. "
+                     f"{2 * least}) or set num_microbatches / microbatch_size.")
 
 
 def without_empty_microbatches(criterion: Callable, count: Callable[[Dict[str, Any]], Any]) -> Callable:

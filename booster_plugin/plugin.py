@@ -14,7 +14,7 @@ from torch.utils.data.distributed import DistributedSampler
 from pipeline.trace import ScheduleTracer
 from pipeline import PipelineP2PCommunication, PipelineSchedule, PipelineStageManager, ProcessGroupMesh
 from pipeline.schedule import split_batch
-from pipeline.schedules import layout_for, make_schedule
+from pipeline.schedules import V_STYLES, layout_for, make_schedule
 from shardformer.parallelformers import as_policy
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sequence_parallel import SEQUENCE_PARALLEL_MODES, resolve_mode
@@ -49,6 +49,9 @@ class HybridParallelPlugin:
         tp_size, pp_size: tensor- and pipeline-parallel sizes (`tp`, `pp` are aliases); dp = world / (tp * pp).
         num_microbatches, microbatch_size: at most one; with pp_size > 1 and neither, each step picks the largest
             divisor of its batch size in [pp_size, 4 * pp_size] as the number of microbatches.
+        pp_style, num_model_chunks: "1f1b" (1 chunk per rank), "interleaved" (v >= 2 chunks in a loop), "zbv"
+            (ColossalAI's zero-bubble V: 2 chunks, backward split into input and weight gradients) or "dualpipev"
+            (the same V with full backwards in the steady state: faster, one more chunk activation, m >= 2p).
         precision: "fp32" (default; ColossalAI's default is "fp16") or "bf16" (fp32 master weights).
         max_norm: clip the global gradient norm (0: off).
         custom_policy: a `shardformer.Policy` for a model without a built-in one, or Parallelformers-style block
@@ -66,10 +69,10 @@ class HybridParallelPlugin:
         p2p_transport: "p2p" (batched isend/irecv) or "broadcast".
         scheduler_nodes: ColossalAI's zbv order (`PipelineGraph(...).get_v_schedule()`, booster_plugin/v_schedule.py),
             run as given; default: ours.
-        pp_schedule_costs: "unit" (default: zbv's order generated for equal F, I, W times; bitwise reproducible) or
-            "measured" (zbv re-plans its order for the compute times of its first training step with a number of
-            microbatches, measured on every rank: pipeline/refine.py; faster, but the order, hence the rounding of
-            gradient sums and the dropout draws, then depends on timings).
+        pp_schedule_costs: "unit" (default: the V styles' order generated for equal F, I, W times; bitwise
+            reproducible) or "measured" (zbv and dualpipev re-plan their order for the compute times of their first
+            training step with a number of microbatches, measured on every rank: pipeline/refine.py; faster, but the
+            order, hence the rounding of gradient sums and the dropout draws, then depends on timings).
         seed: dropout RNG seed (identical masks across tp for replicated activations).
         trace: record a timeline of the schedule (also HP_TRACE=1).
         loss_weight_fn: `micro_batch -> number of loss items`, for a token-weighted loss.
@@ -124,7 +127,7 @@ class HybridParallelPlugin:
         self.gradient_checkpoint_config = gradient_checkpoint_config
         if isinstance(num_layers_per_stage, str) and num_layers_per_stage != "auto":
             raise ValueError(f"num_layers_per_stage must be a list, None or 'auto', got {num_layers_per_stage!r}.")
-        layout = layout_for(pp_style, pp_size, num_model_chunks)  # pp_style "1f1b", "interleaved" or "zbv"
+        layout = layout_for(pp_style, pp_size, num_model_chunks)  # "1f1b", "interleaved", "zbv" or "dualpipev"
         if pp_style != "1f1b" and (pp_size == 1 or p2p_transport != "p2p"):
             raise ValueError(f"pp_style={pp_style!r} needs pp_size > 1 and p2p_transport='p2p'.")
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))  # (for warnings)
@@ -138,7 +141,7 @@ class HybridParallelPlugin:
             raise ValueError(f"p2p_transport={p2p_transport!r}: use 'p2p' or 'broadcast'.")
         if pp_schedule_costs not in ("measured", "unit"):
             raise ValueError(f"pp_schedule_costs={pp_schedule_costs!r}: use 'measured' or 'unit'.")
-        if pp_schedule_costs == "measured" and pp_style == "zbv" and num_microbatches is None:
+        if pp_schedule_costs == "measured" and pp_style in V_STYLES and num_microbatches is None:
             raise ValueError("pp_schedule_costs='measured' re-plans at a step every rank takes together: give "
                              "num_microbatches (the same on every replica).")
         check_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by, 1)
@@ -251,7 +254,7 @@ class HybridParallelPlugin:
             sequence_parallelism_mode=self.sp_mode)
         sharder = Sharder(model, policy, shard_config)
         shared_names = sharder.shard()
-        if self.pp_style == "zbv":  # its backward is split into I and W (pipeline/split_backward.py)
+        if self.pp_style in V_STYLES:  # their backward is split into I and W (pipeline/split_backward.py)
             prepare_split_backward(model)
         per_stage = policy.layers_per_stage() if self.pp_size > 1 else [policy.num_layers()]
         layout = self._stage_manager.layout  # checkpointing counts per pipeline rank: a rank's chunks together
@@ -301,8 +304,7 @@ class HybridParallelPlugin:
         if self.check_batches:  # one small all-gather: a bad batch anywhere raises the same error everywhere
             agree_on_batch(batch, model.batch_limits, self._num_microbatches, self.dp_rank, self.device)
         if self.auto_microbatches:
-            self.schedule.num_microbatches = default_num_microbatches(batch, self.pp_size,
-                                                                      self.pp_style == "interleaved")
+            self.schedule.num_microbatches = default_num_microbatches(batch, self.pp_size, self.pp_style)
         if self.loss_weight_fn is not None and criterion is not None:
             criterion = without_empty_microbatches(criterion, self.loss_weight_fn)
         with self.failure_guard.step("execute_pipeline"):  # a failure from here on ends the step on every rank
@@ -328,12 +330,12 @@ class HybridParallelPlugin:
     def _num_microbatches(self, batch: Any) -> int:
         """How this step splits `batch` (raises as the schedule would on a batch that does not split)."""
         if self.auto_microbatches:
-            m, size = default_num_microbatches(batch, self.pp_size, self.pp_style == "interleaved"), None
+            m, size = default_num_microbatches(batch, self.pp_size, self.pp_style), None
         else:
             m, size = self.schedule.num_microbatches, self.schedule.microbatch_size
         m = len(split_batch(batch, m, size))
         if self.pp_size > 1:
-            make_schedule(self.pp_style, self.pp_size, self.num_model_chunks, m)  # e.g. m < p: the schedule's error
+            self.schedule.plan(m)  # e.g. m < p: the schedule's error (the plan is kept for the step)
         return m
 
     def write_trace(self, out_dir: str) -> Optional[Dict[str, float]]:

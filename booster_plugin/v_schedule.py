@@ -15,7 +15,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
-from pipeline.actions import COMPUTE, F, I, W, Action, add_communication
+from pipeline.actions import COMPUTE, B, F, I, W, Action, add_communication
 from pipeline.layout import StageLayout
 from pipeline.refine import refine
 from pipeline.schedules import Schedule, zero_bubble_v
@@ -108,7 +108,12 @@ class PipelineGraph:
         self.costs = {F: f_cost, I: b_cost, W: w_cost}
 
     def _schedule(self) -> Schedule:
-        schedule = zero_bubble_v(self.n_stage, self.n_micro)
+        unit = zero_bubble_v(self.n_stage, self.n_micro)
+        # ColossalAI's nodes have no full backward: its merged B (virtual stage 0) becomes I then W again
+        compute = [[x for a in actions if a.kind in COMPUTE
+                    for x in ((a._replace(kind=I), a._replace(kind=W)) if a.kind == B else (a,))]
+                   for actions in unit.actions]
+        schedule = unit._replace(actions=add_communication(compute, unit.layout))
         # every rank builds its nodes: a search bounded by trials only gives all of them the same order
         return refine(schedule, self._cost, merge=False, max_seconds=float("inf"))
 

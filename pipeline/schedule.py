@@ -1,6 +1,6 @@
 """The pipeline runtime: runs one rank's list of schedule actions (pipeline/actions.py) for a training or
 evaluation step. Which actions, in which order, is decided by a generator in pipeline/schedules.py
-("1f1b", "interleaved", "zbv"); this file knows no schedule.
+("1f1b", "interleaved", "zbv", "dualpipev"); this file knows no schedule.
 
 The model is called as `model(**micro_batch, **received)` with `stage_manager.model_chunk_id` set to the chunk of
 the action's virtual stage; the last virtual stage applies `criterion(outputs, micro_batch)` and the mean over
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .actions import B, COMM, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, peer_stage
 from .p2p import BACKWARD, FORWARD, PipelineP2PCommunication
 from .refine import agree_on_refined
-from .schedules import Schedule, forward_only, make_schedule
+from .schedules import V_STYLES, Schedule, forward_only, make_schedule
 from .simulator import simulate
 from .split_backward import WeightGradStore, deferring
 from .stage_manager import PipelineStageManager
@@ -135,8 +135,8 @@ class PipelineSchedule:
         p2p: transfers between ranks.
         num_microbatches: microbatches per step (or give `microbatch_size`).
         microbatch_size: samples per microbatch.
-        style: "1f1b", "interleaved" or "zbv" (pipeline/schedules.py).
-        measured_costs: for "zbv", time the compute of the first training step with a number of microbatches and
+        style: "1f1b", "interleaved", "zbv" or "dualpipev" (pipeline/schedules.py).
+        measured_costs: for the V styles ("zbv", "dualpipev"), time the compute of the first training step with a number of microbatches and
             re-plan the order for those costs (pipeline/refine.py; a collective at the end of that step); False
             keeps the unit-cost order.
     """
@@ -152,17 +152,17 @@ class PipelineSchedule:
         self.stage_manager, self.p2p, self.style = stage_manager, p2p, style
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
         self._plans: Dict[int, Tuple[Schedule, float]] = {}
-        self._to_measure = style == "zbv" and measured_costs  # numbers of microbatches whose plan is re-planned:
+        self._to_measure = style in V_STYLES and measured_costs  # numbers of microbatches whose plan is re-planned:
         self._measured: set = set()                           # ... after their first training step
         if num_microbatches is not None:
-            self._plan(num_microbatches)  # invalid (style, p, m) fails here, before any step
+            self.plan(num_microbatches)  # invalid (style, p, m) fails here, before any step
         self.peak_inflight_microbatches = 0  # (virtual stage, microbatch) activations alive at once on this rank
         self.tracer: Optional[ScheduleTracer] = None  # set to record a timeline (pipeline/trace.py)
         # microbatches -> (scale of each microbatch loss in backward, its weight in the reported loss); default:
         # 1/m for both. Lets the plugin weigh microbatches by their number of loss tokens.
         self.loss_scales_fn: Optional[Callable[[List[Dict[str, Any]]], tuple]] = None
 
-    def _plan(self, m: int) -> Tuple[Schedule, float]:
+    def plan(self, m: int) -> Tuple[Schedule, float]:
         """The schedule for m microbatches and its simulated bubble (the theory the trace compares with): under
         unit costs, or under the measured costs it was re-planned for."""
         if m not in self._plans:
@@ -202,7 +202,7 @@ class PipelineSchedule:
         """
         microbatches = split_batch(next(data_iter), self.num_microbatches, self.microbatch_size)
         m, sm = len(microbatches), self.stage_manager
-        schedule, theory = self._plan(m)
+        schedule, theory = self.plan(m)
         training = torch.is_grad_enabled()
         if not training:
             schedule = forward_only(schedule)

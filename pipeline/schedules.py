@@ -4,9 +4,10 @@
   p - r microbatches of activations; bubble (p-1)/(m+p-1).
 - `interleaved(p, v, m)`: Megatron's interleaved 1F1B over v chunks per rank ("loop" layout); bubble
   (p-1)/(v·m+p-1); needs m to be a multiple of p.
-- `zero_bubble_v(p, m)`: two chunks per rank in a V, backward split into input (I) and weight (W) parts; a greedy
-  list scheduler (under `unit_cost`) runs I as soon as possible, forwards while at most 2p chunk activations are alive, and W to fill
-  what would be bubble.
+- `zero_bubble_v(p, m)`: two chunks per rank in a V, backward split into input (I) and weight (W) parts, W filling
+  what would be bubble: the ZB-V paper's order, or for few microbatches a greedy list schedule; 2p activations.
+- `dual_pipe_v(p, m)`: the same V, full backwards (B) in the steady state and split ones on the ramps (DualPipeV);
+  2p + 1 activations.
 - `forward_only(schedule)`: the forwards of a schedule, for evaluation.
 Every generator's result is checked by pipeline/simulator.py in the tests.
 """
@@ -90,16 +91,103 @@ def interleaved(num_ranks: int, num_chunks: int, num_microbatches: int) -> Sched
 def zero_bubble_v(num_ranks: int, num_microbatches: int) -> Schedule:
     """Zero-bubble V (ZB-V, Qi et al. 2024): 2 chunks per rank in a V, backward split into I and W.
 
+    The paper's hand-made order (`_zbv_tokens`: each W right after its I in the steady state, which keeps the
+    ranks in step when real F, I and W times differ) or, where it is shorter under `unit_cost` (few microbatches:
+    the hand-made order needs 2p - 1 and drops the missing ones), the greedy list schedule. At most 2p chunk
+    activations alive per rank, as 1F1B with p stages of two chunks.
+
     Args:
         num_ranks: pipeline ranks p (2p virtual stages).
         num_microbatches: microbatches m (at least p).
     """
     p, m = num_ranks, num_microbatches
     _check(m >= p, f"The zbv schedule needs num_microbatches >= pp_size; got num_microbatches={m}, pp_size={p}.")
+    layout, promise = StageLayout(p, 2, V), [min(2 * p, 2 * m)] * p
+    candidates = [[_from_tokens(layout, r, _zbv_tokens(p, r, max(m, 2 * p - 1)), m) for r in range(p)],
+                  _greedy(layout, m, 2 * p)]
+    schedules = [Schedule(layout, m, add_communication([_merge_first_stage(o) for o in orders], layout), promise)
+                 for orders in candidates]
+    from .simulator import simulate  # (the simulator imports this module)
+    return min(schedules, key=lambda s: simulate(s).makespan)  # ties: the hand-made order
+
+
+def dual_pipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek's DualPipe folded into a V, as torch's ScheduleDualPipeV): in the steady state each
+    rank runs a forward of one chunk then a full backward (B) of the other; I and W are split only to fill the
+    ramps. Fewer split backwards than zbv (a B costs less than I + W), one more chunk activation: 2p + 1.
+
+    Args:
+        num_ranks: pipeline ranks p (2p virtual stages).
+        num_microbatches: microbatches m (at least 2p).
+    """
+    p, m = num_ranks, num_microbatches
+    _check(m >= 2 * p, f"The dualpipev schedule needs num_microbatches >= 2 * pp_size; got num_microbatches={m}, "
+                       f"pp_size={p}: give num_microbatches >= {2 * p} or use pp_style='zbv'.")
     layout = StageLayout(p, 2, V)
-    cap = 2 * p
-    orders = _greedy(layout, m, cap)
-    return Schedule(layout, m, add_communication(orders, layout), [min(cap, 2 * m)] * p)
+    orders = [_merge_first_stage(_from_tokens(layout, r, _dual_tokens(p, r, m), m)) for r in range(p)]
+    return Schedule(layout, m, add_communication(orders, layout), [2 * p + 1] * p)
+
+
+# A hand-made V order is a list of (chunk, kind) tokens per rank; `_from_tokens` numbers the microbatches.
+_ANY = -1  # the chunk of a W token: the oldest pending W of any chunk
+
+
+def _zbv_tokens(p: int, r: int, m: int) -> List[Tuple[int, str]]:
+    """ZB-V on rank r for m >= 2p - 1 microbatches: forwards of chunk 0, then of both chunks, F I W of chunk 1,
+    the steady state F0 I0 W0 F1 I1 W1 (without F0 once all are in), and the cool-down's I then the Ws."""
+    tokens = [(0, F)] * (2 * (p - r) - 1) + [(1, F), (0, F)] * r + [(1, F), (1, I), (1, W)] * (p - r)
+    forwards0 = 2 * p - r - 1
+    for k in range(m - p):
+        tokens += [(0, F)] * (forwards0 + k < m) + [(0, I), (0, W), (1, F), (1, I), (1, W)]
+    return tokens + [(0, I), (1, I)] * r + [(0, I), (0, W)] * (p - r) + [(1, W)] * r + [(0, W)] * r
+
+
+def _dual_tokens(p: int, r: int, m: int) -> List[Tuple[int, str]]:
+    """DualPipeV on rank r for m >= 2p microbatches (the phases of torch's ScheduleDualPipeV, whose overlapped
+    F + B pairs run one after the other here)."""
+    tokens = [(0, F)] * (2 * (p - r - 1)) + [(0, F), (1, F)] * (r + 1) + [(1, I), (_ANY, W), (1, F)] * (p - r - 1)
+    for k in range(m - 2 * p + r + 1):
+        tokens += [(0, F), (1, B), (1, F), (0, B)]
+    tokens += [(1, B), (1, F), (0, B)] * (p - r - 1)
+    split = False  # the second half of the cool-down splits its backwards
+    for k in range(r + 1):
+        split = split or (k == (r + 1) // 2 and r % 2 == 1)
+        tokens.append((1, I if split else B))
+        split = split or (k == (r + 1) // 2 and r % 2 == 0)
+        tokens.append((0, I if split else B))
+    return tokens + [(_ANY, W), (0, I if split else B)] * (p - r - 1) + [(_ANY, W)] * (r + 1)
+
+
+def _from_tokens(layout: StageLayout, rank: int, tokens: List[Tuple[int, str]], m: int) -> List[Action]:
+    """Rank `rank`'s actions: F, I and B take the chunk's next microbatch, W the oldest pending W (of its chunk,
+    or of any); microbatches >= m are left out (with their W)."""
+    stages, nxt, pending, order = layout.stages_of(rank), {}, [], []
+    for chunk, kind in tokens:
+        if kind == W:
+            due = [w for w in pending if chunk == _ANY or w.stage == stages[chunk]]
+            if due:
+                pending.remove(due[0])
+                order.append(due[0])
+            continue
+        key = (chunk, F if kind == F else I)
+        mb = nxt[key] = nxt.get(key, -1) + 1
+        if mb < m:
+            order.append(Action(kind, stages[chunk], mb))
+            if kind == I:
+                pending.append(Action(W, stages[chunk], mb))
+    return order
+
+
+def _merge_first_stage(order: List[Action]) -> List[Action]:
+    """Virtual stage 0's I sends nothing, so an I there followed by its W becomes one B (one autograd pass: a
+    full backward costs less than the two halves)."""
+    out: List[Action] = []
+    for a in order:
+        if a.kind == W and a.stage == 0 and out and out[-1] == Action(I, 0, a.microbatch):
+            out[-1] = Action(B, 0, a.microbatch)
+        else:
+            out.append(a)
+    return out
 
 
 def _greedy(layout: StageLayout, m: int, cap: int) -> List[List[Action]]:
@@ -162,31 +250,32 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-STYLES = ("1f1b", "interleaved", "zbv")
+STYLES = ("1f1b", "interleaved", "zbv", "dualpipev")
+V_STYLES = ("zbv", "dualpipev")  # two chunks per rank in a V, backward split into I and W
 
 
 def layout_for(style: str, num_ranks: int, num_chunks: int) -> StageLayout:
     """Where the virtual stages of `style` live.
 
     Args:
-        style: "1f1b", "interleaved" or "zbv".
+        style: "1f1b", "interleaved", "zbv" or "dualpipev".
         num_ranks: pipeline ranks.
-        num_chunks: model chunks per rank (1 for "1f1b", 2 for "zbv").
+        num_chunks: model chunks per rank (1 for "1f1b", 2 for the V styles).
     """
     if style not in STYLES:
         raise ValueError(f"Unknown pp_style {style!r}; use one of {STYLES}.")
-    expected = {"1f1b": num_chunks == 1, "interleaved": num_chunks >= 2, "zbv": num_chunks == 2}[style]
-    if not expected:
-        need = {"1f1b": "num_model_chunks=1", "interleaved": "num_model_chunks >= 2", "zbv": "num_model_chunks=2"}
-        raise ValueError(f"pp_style={style!r} needs {need[style]}, got num_model_chunks={num_chunks}.")
-    return StageLayout(num_ranks, num_chunks, V if style == "zbv" else LOOP)
+    need = "num_model_chunks=2" if style in V_STYLES else {"1f1b": "num_model_chunks=1",
+                                                           "interleaved": "num_model_chunks >= 2"}[style]
+    if not (num_chunks == 2 if style in V_STYLES else num_chunks == 1 if style == "1f1b" else num_chunks >= 2):
+        raise ValueError(f"pp_style={style!r} needs {need}, got num_model_chunks={num_chunks}.")
+    return StageLayout(num_ranks, num_chunks, V if style in V_STYLES else LOOP)
 
 
 def make_schedule(style: str, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
     """The schedule of `style` for p ranks, v chunks per rank and m microbatches (raises ValueError if invalid).
 
     Args:
-        style: "1f1b", "interleaved" or "zbv".
+        style: "1f1b", "interleaved", "zbv" or "dualpipev".
         num_ranks: pipeline ranks p.
         num_chunks: model chunks per rank v.
         num_microbatches: microbatches m per step.
@@ -196,4 +285,6 @@ def make_schedule(style: str, num_ranks: int, num_chunks: int, num_microbatches:
         return one_f_one_b(num_ranks, num_microbatches)
     if style == "interleaved":
         return interleaved(num_ranks, num_chunks, num_microbatches)
+    if style == "dualpipev":
+        return dual_pipe_v(num_ranks, num_microbatches)
     return zero_bubble_v(num_ranks, num_microbatches)

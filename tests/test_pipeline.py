@@ -137,6 +137,11 @@ def _two_ranks(tmp_dir: str):
     mu.check_training("llama_lm", layers=6, pp_size=2, num_microbatches=4, num_layers_per_stage=[1, 2, 2, 1],
                       **INTERLEAVED)
     _check_memory_promise(ZBV)
+    _check_memory_promise(DUALPIPEV)  # one more chunk activation than zbv
+    for kind in ("gpt2_lm", "llama_lm"):  # dualpipev: full backwards in the steady state, split ones on the ramps
+        mu.check_training(kind, pp_size=2, num_microbatches=4, **DUALPIPEV)
+    mu.check_training("llama_lm", pp_size=2, num_microbatches=4, pp_schedule_costs="measured", **DUALPIPEV)
+    mu.check_evaluation("gpt2_lm", pp_size=2, num_microbatches=4, **DUALPIPEV)
     _check_zbv_plans_for_measured_costs()
     _check_colossalai_scheduler_nodes()
     _check_auto_split()
@@ -155,6 +160,7 @@ def _check_auto_split():
 
 INTERLEAVED = dict(pp_style="interleaved", num_model_chunks=2)
 ZBV = dict(pp_style="zbv", num_model_chunks=2)
+DUALPIPEV = dict(pp_style="dualpipev", num_model_chunks=2)
 MULTI_CHUNK = (INTERLEAVED, ZBV)
 
 
@@ -166,7 +172,7 @@ def _check_memory_promise(style=None):
     model = mu.build("llama_lm")
     model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0))
     booster.execute_pipeline(iter([mu.make_batch("llama_lm", 8, 0)]), model, mu.criterion, opt)
-    promised = plugin.schedule._plan(8)[0].max_activations[plugin.stage_manager.stage]
+    promised = plugin.schedule.plan(8)[0].max_activations[plugin.stage_manager.stage]
     expected = plugin.pp_size - plugin.stage_manager.stage if style is None else promised
     assert plugin.schedule.peak_inflight_microbatches == expected <= promised, plugin.schedule.peak_inflight_microbatches
 
@@ -180,11 +186,11 @@ def _check_zbv_plans_for_measured_costs():
     booster = Booster(plugin=plugin)
     model = mu.build("llama_lm")
     model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    unit = plugin.schedule._plan(4)[0]
+    unit = plugin.schedule.plan(4)[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed re-plan warns and keeps the order: that would fail here
         booster.execute_pipeline(iter([mu.make_batch("llama_lm", 8, 0)]), model, mu.criterion, opt)
-    refined = plugin.schedule._plan(4)[0]
+    refined = plugin.schedule.plan(4)[0]
     assert refined is not unit and simulate(refined).makespan > 0  # re-planned, and valid
     mine = torch.tensor([fingerprint(refined)])
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -192,10 +198,10 @@ def _check_zbv_plans_for_measured_costs():
     assert len({int(t) for t in every}) == 1  # one order on every rank
     with torch.no_grad():  # evaluation neither measures nor re-plans
         booster.execute_pipeline(iter([mu.make_batch("llama_lm", 8, 1)]), model, mu.criterion)
-    assert plugin.schedule._plan(4)[0] is refined
+    assert plugin.schedule.plan(4)[0] is refined
     assert not HybridParallelPlugin(pp_size=2, num_microbatches=4, **ZBV).schedule._to_measure  # off by default
     mu.check_training("gpt2_lm", pp_size=2, num_microbatches=4, pp_schedule_costs="measured", **ZBV)  # tied, exact
-    compute = [[Action(B, a.stage, a.microbatch) if a.kind == I else a for a in acts if a.kind in (F, I)]
+    compute = [[Action(B, a.stage, a.microbatch) if a.kind == I else a for a in acts if a.kind in (F, I, B)]
                for acts in unit.actions]
     whole = unit._replace(actions=add_communication(compute, unit.layout))
     mu.check_training("llama_lm", pp_size=2, num_microbatches=4, prepare=lambda p: p.schedule.use_schedule(whole),
@@ -213,7 +219,7 @@ def _check_colossalai_scheduler_nodes():
     expected = nodes_to_schedule(nodes, StageLayout(2, 2, V))
 
     def runs_the_nodes(plugin):
-        assert plugin.schedule._plan(4)[0] == expected and 4 in plugin.schedule._measured  # not re-planned
+        assert plugin.schedule.plan(4)[0] == expected and 4 in plugin.schedule._measured  # not re-planned
 
     mu.check_training("llama_lm", pp_size=2, num_microbatches=4, scheduler_nodes=lists, prepare=runs_the_nodes,
                       **ZBV)
@@ -243,6 +249,8 @@ def _check_schedule_input_errors():
         HybridParallelPlugin(pp_size=2, num_microbatches=3, **INTERLEAVED)
     with pytest.raises(ValueError, match="pp_style='zbv' needs num_model_chunks=2"):
         HybridParallelPlugin(pp_size=2, num_microbatches=2, pp_style="zbv")
+    with pytest.raises(ValueError, match="dualpipev schedule needs num_microbatches >= 2 \\* pp_size"):
+        HybridParallelPlugin(pp_size=2, num_microbatches=3, **DUALPIPEV)
     with pytest.raises(ValueError, match="pp_schedule_costs='fast': use 'measured' or 'unit'"):
         HybridParallelPlugin(pp_size=2, num_microbatches=2, pp_schedule_costs="fast", **ZBV)
     with pytest.raises(ValueError, match="Unknown pp_style 'gpipe'"):
@@ -389,6 +397,10 @@ def _four_ranks():
     mu.check_training("llama_lm", pp_size=2, num_microbatches=2, **ZBV)  # dp=2
     mu.check_training("llama_lm", tp_size=2, pp_size=2, num_microbatches=2, **INTERLEAVED)
     mu.check_training("gpt2_lm", tp_size=2, pp_size=2, num_microbatches=2, **ZBV)
+    mu.check_training("gpt2_lm", tp_size=2, pp_size=2, num_microbatches=4, **DUALPIPEV)
+    mu.check_training("llama_lm", pp_size=2, num_microbatches=4, **DUALPIPEV)  # dp=2
+    _check_pipeline_accumulation("llama_lm", pp_size=2, num_microbatches=4, **DUALPIPEV)
+    mu.check_training("llama_lm", layers=8, pp_size=4, num_microbatches=8, **DUALPIPEV)
 
 
 def test_pipeline_four_ranks():

@@ -8,7 +8,8 @@ import torch
 
 from pipeline.actions import B, F, I, RECV_F, SEND_F, W, Action, add_communication
 from pipeline.layout import LOOP, V, StageLayout
-from pipeline.schedules import Schedule, forward_only, interleaved, make_schedule, one_f_one_b, zero_bubble_v
+from pipeline.schedules import (Schedule, dual_pipe_v, forward_only, interleaved, make_schedule, one_f_one_b,
+                                zero_bubble_v)
 from pipeline.refine import cost_of, refine
 from pipeline.simulator import ScheduleError, simulate
 from pipeline.split_backward import WeightGradStore, deferring, linear
@@ -52,25 +53,54 @@ def test_zero_bubble_v_is_valid_and_beats_1f1b(p, m):
     result = simulate(schedule)  # the costs it was generated for: chunk F = I = W
     assert result.makespan < simulate(one_f_one_b(p, m), {F: 2, B: 4}).makespan  # same model in 1F1B stages
     assert result.bubble < 0.5 * (p - 1) / (m + p - 1)  # most of 1F1B's bubble is gone
-    assert sum(a.kind == W for actions in schedule.actions for a in actions) == 2 * p * m
+    kinds = [a.kind for actions in schedule.actions for a in actions]
+    assert kinds.count(W) + kinds.count(B) == kinds.count(I) + kinds.count(B) == 2 * p * m
+    assert all(a.stage == 0 for actions in schedule.actions for a in actions if a.kind == B)  # merged: sends nothing
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in SIZES if m >= 2 * p and p > 1] + [(3, 7), (4, 9)])
+def test_dual_pipe_v_is_valid_and_uses_full_backwards(p, m):
+    schedule = dual_pipe_v(p, m)
+    for costs in (None, {F: 1, B: 3, I: 2, W: 1}, {F: 2, B: 3, I: 1, W: 2}):
+        assert max(simulate(schedule, costs).peak_activations) <= schedule.max_activations[0] == 2 * p + 1
+    kinds = [a.kind for actions in schedule.actions for a in actions]
+    assert kinds.count(B) > kinds.count(I) and kinds.count(I) == kinds.count(W)
+    assert kinds.count(B) + kinds.count(I) == kinds.count(F) == 2 * p * m
+    # where a full backward costs less than its two halves (measured: ~5%), it beats zbv
+    cheaper_b = {F: 1, I: 1, W: 1, B: 1.9}
+    assert simulate(schedule, cheaper_b).makespan < simulate(zero_bubble_v(p, m), cheaper_b).makespan
+
+
+@pytest.mark.parametrize("p,m", [(3, 6), (4, 8), (4, 16)])
+def test_v_schedules_tolerate_unequal_costs(p, m):
+    """Real F, I and W times differ per stage: averaged over random cost tables, the V orders stay within 6% of the
+    busiest rank's work (the greedy list schedule zbv used before: 9% at (3, 6) and (4, 8))."""
+    import random
+    rng = random.Random(p * 100 + m)
+    for schedule in (zero_bubble_v(p, m), dual_pipe_v(p, m)):
+        ratios = []
+        for _ in range(20):
+            result = simulate(schedule, cost_of({(k, s): rng.uniform(0.8, 1.25) for s in range(2 * p)
+                                                 for k in (F, I, W)}))
+            ratios.append(result.makespan / max(result.busy))
+        assert sum(ratios) / len(ratios) <= 1.06, (schedule.actions[0][:8], sum(ratios) / len(ratios))
 
 
 def test_refine_plans_for_measured_costs():
     """The benchmark's measured ms per (kind, virtual stage) at p=2, m=4: rank 0 holds the embedding (stage 0) and
-    the head + loss (stage 3). Refined for them, zbv's step is shorter than its unit-cost order under the same costs,
-    stays valid within its activation promise, and merges some I + W into a B where that costs nothing."""
+    the head + loss (stage 3). zbv's hand-made order is within 0.5% of the busiest rank's work under them;
+    dualpipev's, refined for them, reaches it (no idle time left on the busiest rank), valid within its promise."""
     table = {(F, 0): 19.5, (F, 3): 23.5, (I, 3): 23.0, (I, 0): 21.5, (W, 0): 17.0, (W, 3): 17.0}
     table.update({(k, s): c for s in (1, 2) for k, c in ((F, 20.0), (I, 20.0), (W, 16.0))})
     cost = cost_of(table)
     assert cost(Action(B, 3, 0)) == 40.0  # a B without its own entry: I + W
-    unit = zero_bubble_v(2, 4)
+    zbv = simulate(zero_bubble_v(2, 4), cost)
+    assert zbv.makespan <= 1.005 * max(zbv.busy)
+    unit = dual_pipe_v(2, 4)
     refined = refine(unit, cost, max_seconds=float("inf"))  # bounded by trials: independent of load
     before, after = simulate(unit, cost), simulate(refined, cost)  # simulate raises if refined were invalid
-    assert after.makespan <= 0.97 * before.makespan, (before.makespan, after.makespan)
-    assert after.makespan >= max(after.busy)  # not below the busiest rank's work (486 ms here)
-    assert refined.max_activations == unit.max_activations
-    kinds = [a.kind for actions in refined.actions for a in actions]
-    assert kinds.count(B) > 0 and kinds.count(B) + kinds.count(I) == kinds.count(F) == 16
+    assert after.makespan == max(after.busy) < before.makespan, (before, after)
+    assert refined.max_activations == unit.max_activations and refined.actions != unit.actions
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (3, 6), (4, 8)])
@@ -85,9 +115,11 @@ def test_refine_never_breaks_or_slows_a_schedule(p, m):
         assert max(simulate(refined).peak_activations) <= 2 * p
 
 
-@pytest.mark.parametrize("style,v", [("1f1b", 1), ("interleaved", 2), ("zbv", 2)])
+@pytest.mark.parametrize("style,v", [("1f1b", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2)])
 def test_forward_only_schedules_are_valid(style, v):
     for p, m in [(2, 4), (4, 4), (4, 8)]:
+        if style == "dualpipev" and m < 2 * p:
+            continue
         schedule = forward_only(make_schedule(style, p, v, m))
         assert all(a.kind in (F, SEND_F, RECV_F) for actions in schedule.actions for a in actions)
         simulate(schedule)
@@ -100,6 +132,8 @@ def test_invalid_combinations_are_refused():
         interleaved(4, 2, 6)
     with pytest.raises(ValueError, match="needs num_model_chunks=2"):
         make_schedule("zbv", 2, 3, 4)
+    with pytest.raises(ValueError, match="num_microbatches >= 2 \\* pp_size"):
+        make_schedule("dualpipev", 2, 2, 3)
     with pytest.raises(ValueError, match="Unknown pp_style"):
         make_schedule("gpipe", 2, 1, 4)
 

@@ -129,8 +129,13 @@ def agree_on_refined(schedule: Schedule, durations: Mapping[Tuple[str, int], Seq
     table = table.cpu()
     costs = {(kind, s): (table[s, k, 0] / table[s, k, 1]).item()
              for s in range(stages) for k, kind in enumerate(_KINDS) if table[s, k, 1] > 0}
-    missing = [(kind, s) for s in range(stages) for kind in (F, I, W) if (kind, s) not in costs]
     cost = cost_of(costs)
+    missing = []  # compute the step ran but no rank timed (then the order stays as it is)
+    for a in (a for order in _compute_orders(schedule) for a in order):
+        try:
+            cost(a)
+        except KeyError:
+            missing.append(a)
     width = 3 * schedule.layout.num_chunks * schedule.num_microbatches
     encoded = torch.full((schedule.layout.num_ranks, width, 3), -1, dtype=torch.int64)
     if dist.get_rank() == 0:

@@ -192,6 +192,7 @@ def _check_zbv_plans_for_measured_costs():
         booster.execute_pipeline(iter([mu.make_batch("llama_lm", 8, 0)]), model, mu.criterion, opt)
     refined = plugin.schedule.plan(4)[0]
     assert refined is not unit and simulate(refined).makespan > 0  # re-planned, and valid
+    assert plugin.schedule.plan(4)[1] != simulate(unit).bubble  # its bubble: under the measured costs
     mine = torch.tensor([fingerprint(refined)])
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)

@@ -238,6 +238,9 @@ def main() -> None:
             pr("ours dualpipev", "ours dualpipev, measured costs"),
         # no schedule beats the busiest rank's work: its CPU time per step in 1F1B (no split backward, idle excluded)
         "work_bound_speedup_over_one_process": med[SINGLE] / max(cpu_med["ours 1F1B"]),
+        # how far each best schedule is from its own busiest rank's work: the idle share of its step
+        "best_ours_busiest_rank_idle_fraction": 1 - max(cpu_med[best_ours]) / med[best_ours],
+        "best_torch_busiest_rank_idle_fraction": 1 - max(cpu_med[best_torch]) / med[best_torch],
     }
     results["variants"] = [{"name": n, "median_ms": med[n] * 1e3, "min_ms": min(times[n]) * 1e3,
                             "tokens_per_s": tokens / med[n], "paired_time_vs_best_ours": pr(n, best_ours),
@@ -273,6 +276,9 @@ def main() -> None:
          f"{ratios['ours_dualpipev_measured_over_unit_cost_order_tokens_per_s']:.3f}"],
         ["bound: one process / busiest rank's CPU per step in ours 1F1B (no bubble, no split)",
          f"{ratios['work_bound_speedup_over_one_process']:.3f}"],
+        ["idle share of the step on its busiest rank (1 - CPU / wall): best ours",
+         f"{ratios['best_ours_busiest_rank_idle_fraction']:.3f}"],
+        ["  best torch", f"{ratios['best_torch_busiest_rank_idle_fraction']:.3f}"],
     ]))
     verdict = C.compare(times[best_ours], times[best_torch], best_ours, best_torch)
     results["verdict_best_ours_vs_best_torch"] = verdict

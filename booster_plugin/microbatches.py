@@ -8,6 +8,8 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from pipeline.schedules import min_microbatches
+
 __all__ = ["default_num_microbatches", "token_weighted_scales", "without_empty_microbatches"]
 
 
@@ -15,7 +17,7 @@ def default_num_microbatches(batch: Any, pp_size: int, pp_style: str = "1f1b") -
     """Microbatches of a step when none were configured: the largest divisor of the batch size in [pp, 4 * pp]
     (1F1B needs at least pp; more shrinks the bubble (p-1)/(m+p-1), at the cost of smaller microbatches); a
     multiple of pp for the interleaved schedule, at least 2 * pp for dualpipev."""
-    multiple_of_pp, least = pp_style == "interleaved", 2 * pp_size if pp_style == "dualpipev" else pp_size
+    multiple_of_pp, least = pp_style == "interleaved", min_microbatches(pp_style, pp_size)
     sizes = [v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0] \
         if isinstance(batch, Mapping) else []
     if not sizes:

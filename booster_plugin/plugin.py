@@ -14,7 +14,7 @@ from torch.utils.data.distributed import DistributedSampler
 from pipeline.trace import ScheduleTracer
 from pipeline import PipelineP2PCommunication, PipelineSchedule, PipelineStageManager, ProcessGroupMesh
 from pipeline.schedule import split_batch
-from pipeline.schedules import V_STYLES, layout_for, make_schedule
+from pipeline.schedules import V_STYLES, layout_for, make_schedule, min_microbatches
 from shardformer.parallelformers import as_policy
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sequence_parallel import SEQUENCE_PARALLEL_MODES, resolve_mode
@@ -197,7 +197,8 @@ class HybridParallelPlugin:
             p2p = PipelineP2PCommunication(self._stage_manager, self.device, transport=p2p_transport,
                                            enable_metadata_cache=enable_metadata_cache)
             self.schedule = PipelineSchedule(self._stage_manager, p2p,
-                                             pp_size if self.auto_microbatches else num_microbatches,
+                                             min_microbatches(pp_style, pp_size) if self.auto_microbatches
+                                             else num_microbatches,
                                              microbatch_size, pp_style, pp_schedule_costs == "measured")
             if nodes is not None:
                 self.schedule.use_schedule(nodes)

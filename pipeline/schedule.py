@@ -136,9 +136,9 @@ class PipelineSchedule:
         num_microbatches: microbatches per step (or give `microbatch_size`).
         microbatch_size: samples per microbatch.
         style: "1f1b", "interleaved", "zbv" or "dualpipev" (pipeline/schedules.py).
-        measured_costs: for the V styles ("zbv", "dualpipev"), time the compute of the first training step with a number of microbatches and
-            re-plan the order for those costs (pipeline/refine.py; a collective at the end of that step); False
-            keeps the unit-cost order.
+        measured_costs: for the V styles ("zbv", "dualpipev"), time the compute of the first training step with a
+            number of microbatches and re-plan the order for those costs (pipeline/refine.py; a collective at the
+            end of that step); False keeps the unit-cost order.
     """
 
     def __init__(self, stage_manager: PipelineStageManager, p2p: PipelineP2PCommunication,
@@ -152,8 +152,9 @@ class PipelineSchedule:
         self.stage_manager, self.p2p, self.style = stage_manager, p2p, style
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
         self._plans: Dict[int, Tuple[Schedule, float]] = {}
-        self._to_measure = style in V_STYLES and measured_costs  # numbers of microbatches whose plan is re-planned:
-        self._measured: set = set()                           # ... after their first training step
+        # numbers of microbatches whose plan is re-planned after their first training step
+        self._to_measure = style in V_STYLES and measured_costs
+        self._measured: set = set()
         if num_microbatches is not None:
             self.plan(num_microbatches)  # invalid (style, p, m) fails here, before any step
         self.peak_inflight_microbatches = 0  # (virtual stage, microbatch) activations alive at once on this rank

@@ -254,6 +254,11 @@ STYLES = ("1f1b", "interleaved", "zbv", "dualpipev")
 V_STYLES = ("zbv", "dualpipev")  # two chunks per rank in a V, backward split into I and W
 
 
+def min_microbatches(style: str, num_ranks: int) -> int:
+    """The fewest microbatches a step of `style` can have on `num_ranks` pipeline ranks."""
+    return 2 * num_ranks if style == "dualpipev" else num_ranks
+
+
 def layout_for(style: str, num_ranks: int, num_chunks: int) -> StageLayout:
     """Where the virtual stages of `style` live.
 
@@ -264,9 +269,10 @@ def layout_for(style: str, num_ranks: int, num_chunks: int) -> StageLayout:
     """
     if style not in STYLES:
         raise ValueError(f"Unknown pp_style {style!r}; use one of {STYLES}.")
-    need = "num_model_chunks=2" if style in V_STYLES else {"1f1b": "num_model_chunks=1",
-                                                           "interleaved": "num_model_chunks >= 2"}[style]
-    if not (num_chunks == 2 if style in V_STYLES else num_chunks == 1 if style == "1f1b" else num_chunks >= 2):
+    fits, need = {"1f1b": (num_chunks == 1, "num_model_chunks=1"),
+                  "interleaved": (num_chunks >= 2, "num_model_chunks >= 2")}.get(style, (num_chunks == 2,
+                                                                                        "num_model_chunks=2"))
+    if not fits:
         raise ValueError(f"pp_style={style!r} needs {need}, got num_model_chunks={num_chunks}.")
     return StageLayout(num_ranks, num_chunks, V if style in V_STYLES else LOOP)
 

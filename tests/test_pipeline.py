@@ -142,6 +142,7 @@ def _two_ranks(tmp_dir: str):
         mu.check_training(kind, pp_size=2, num_microbatches=4, **DUALPIPEV)
     mu.check_training("llama_lm", pp_size=2, num_microbatches=4, pp_schedule_costs="measured", **DUALPIPEV)
     mu.check_evaluation("gpt2_lm", pp_size=2, num_microbatches=4, **DUALPIPEV)
+    mu.check_training("llama_cls", pp_size=2, local_batch=4, **DUALPIPEV)  # automatic microbatches: 4 (>= 2p)
     _check_zbv_plans_for_measured_costs()
     _check_colossalai_scheduler_nodes()
     _check_auto_split()

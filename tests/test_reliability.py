@@ -166,6 +166,9 @@ STEP_CASES = [
      "Batch size 6 is not divisible into num_microbatches=4"),
     (lambda: _step(dict(pp_size=2), mu.make_batch("gpt2_lm", 1, 0)), ValueError,
      "A batch of 1 samples cannot be split into 2 to 8 equal microbatches"),
+    (lambda: _step(dict(pp_size=2, pp_style="dualpipev", num_model_chunks=2), mu.make_batch("gpt2_lm", 3, 0)),
+     ValueError, "A batch of 3 samples cannot be split into 4 to 8 equal microbatches for pp_size=2, "
+                 "pp_style='dualpipev'"),  # dualpipev needs m >= 2p: its automatic choice starts there
     (lambda: _step(dict(pp_size=2, num_microbatches=2), None, data_iter=iter([])), ValueError,
      "exhausted data iterator"),
     (lambda: _step(dict(pp_size=2, num_microbatches=2), [GOOD["input_ids"]]), TypeError, "dict of tensors"),

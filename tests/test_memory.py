@@ -176,6 +176,9 @@ def _activation_checkpointing_cases():
                                    pp_style="zbv", num_model_chunks=2)
     check_activation_checkpointing("llama_lm", GradientCheckpointConfig(num_ckpt_layers_per_stage=[1, 1]), 1,
                                    pp_size=2, num_microbatches=2, pp_style="zbv", num_model_chunks=2)
+    # dualpipev: whole backwards (B) of recomputed regions next to split ones
+    check_activation_checkpointing("llama_lm", GradientCheckpointConfig(), 2, pp_size=2, num_microbatches=4,
+                                   pp_style="dualpipev", num_model_chunks=2)
     # sequence parallelism: dropout on the sequence shard draws per-rank masks, recomputed identically
     check_activation_checkpointing("gpt2_lm", GradientCheckpointConfig(), 4, tp_size=2, enable_sequence_parallelism=True)
     # exact against the unsharded model too (no dropout), with ZeRO-2 and clipping

@@ -2,6 +2,7 @@
 optimizer.py)."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
@@ -161,21 +162,28 @@ class HybridParallelModule(nn.Module):
                     (p for p in reversed(params) if id(p) not in shared), bucket_bytes)
             shards = self.dp_size if zero_stage > 0 else 1
             self._buckets = [GradBucket(b, shards, scatter=zero_stage == 2) for b in groups]
-            for bucket in self._buckets:
+            for k, bucket in enumerate(self._buckets):
                 for i, p in enumerate(bucket.params):
-                    p.register_post_accumulate_grad_hook(self._grad_ready_hook(bucket, i))
+                    p.register_post_accumulate_grad_hook(self._grad_ready_hook(k, i))
 
-    def _grad_ready_hook(self, bucket: GradBucket, index: int):
+    def _grad_ready_hook(self, bucket_index: int, index: int):
+        # The hook lives on the parameter and reaches this module (and so the parameter) only through a weak
+        # reference: the garbage collector cannot see through tensor hooks, so a strong one would keep every boosted
+        # model, its process groups and their threads alive for the life of the process.
+        owner = weakref.ref(self)
+
         def hook(param: nn.Parameter) -> None:
-            if not self.require_grad_sync:
+            module = owner()
+            if module is None or not module.require_grad_sync:
                 return
+            bucket = module._buckets[bucket_index]
             if bucket.launched:
                 raise RuntimeError("A second backward pass reached gradients whose data-parallel reduction already "
                                    "started. To accumulate gradients, run all but the last backward inside "
                                    "`with booster.no_sync(model):`, or call optimizer.step()/zero_grad() between.")
             bucket.ready.add(index)
             if len(bucket.ready) == len(bucket.params):
-                bucket.launch(self.dp_group)
+                bucket.launch(module.dp_group)
         return hook
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,6 +1,7 @@
 """Bad input fails clearly, the same way on every rank, before any collective (afterwards the group still works);
 inputs that a vocab-parallel layer would silently mask are refused; a microbatch without label tokens trains as in
-one process; replicas of replicated weights are made identical over tp; evaluation outputs are full logits."""
+one process; replicas of replicated weights are made identical over tp; evaluation outputs are full logits; a model
+the program drops is freed."""
 import copy
 import os
 import re
@@ -319,7 +320,28 @@ def _check_nonfinite_gradients_skip_or_raise_everywhere():
         assert any(not torch.equal(p.data, before[n]) for n, p in model.unwrap().named_parameters())
 
 
+def _check_dropped_models_are_freed():
+    """A boosted model, its optimizer and booster that the program drops are freed, with their process groups (and
+    so gloo's threads): nothing in a parameter's hooks keeps them alive (the garbage collector cannot see through
+    tensor hooks)."""
+    import gc
+    import weakref
+
+    for kwargs in (dict(), dict(zero_stage=1), dict(tp_size=2), dict(pp_size=2)):
+        booster = Booster(plugin=HybridParallelPlugin(num_microbatches=2, **kwargs))
+        model = mu.build("gpt2_lm")
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        booster.execute_pipeline(iter([mu.make_batch("gpt2_lm", 4, 0)]), model, mu.criterion, opt)
+        opt.step()
+        refs = [weakref.ref(x) for x in (model, model.unwrap(), opt, booster.plugin)]
+        del booster, model, opt
+        gc.collect()
+        alive = [type(r()).__name__ for r in refs if r() is not None]
+        assert not alive, f"{kwargs}: {alive} still alive after the program dropped them"
+
+
 def _two_ranks():
+    _check_dropped_models_are_freed()
     _check_cases(CONFIG_CASES)
     _check_cases(BOOST_CASES)
     _check_cases(STEP_CASES)

@@ -3,7 +3,8 @@
 Off by default (the schedule then holds no tracer and pays one `is None` check per span). When on, every rank
 records (kind, microbatch, start, end) against a clock aligned by a barrier at the start of each step;
 `gather_and_write` collects all ranks' events as tensors (no pickle) on rank 0, which writes a Chrome trace JSON
-(open in Perfetto or chrome://tracing), a PNG timeline of all stages, and the measured vs theoretical bubble.
+(open in Perfetto or chrome://tracing), a PNG timeline of all stages, and the measured vs theoretical bubble with
+the step's work bound (the shortest any order of the same actions could take).
 """
 from __future__ import annotations
 
@@ -100,7 +101,25 @@ def bubble_summary(per_rank: List[torch.Tensor], num_stages: int, num_microbatch
     p, m = num_stages, num_microbatches
     return {"measured_bubble": sum(fractions) / max(len(fractions), 1),
             "theoretical_bubble": theoretical_bubble, "num_stages": p, "num_microbatches": m,
-            "step": step}
+            "step": step, **work_bound(per_rank, step)}
+
+
+def work_bound(per_rank: List[torch.Tensor], step: int) -> Dict[str, float]:
+    """The step's wall time (first event to the end of the last optimizer step) and the shortest any order of the
+    same actions could take: rank r is busy for its compute and optimizer time, and cannot start before the first
+    forwards of ranks 0..r-1 (its own first forward needs their outputs); the bound is the longest such rank, in
+    ms. A schedule at its bound has no bubble left to remove: only less work makes it faster."""
+    start, bound, first, last = 0.0, 0.0, float("inf"), 0.0
+    for events in per_rank:
+        rows = events[events[:, 4] == step] if events.numel() else events
+        if rows.numel() == 0:
+            continue
+        work = rows[sum(rows[:, 0] == k for k in (*COMPUTE_KINDS, KINDS.index("optimizer"))) > 0]
+        bound = max(bound, start + float((work[:, 3] - work[:, 2]).sum()))
+        forwards = rows[rows[:, 0] == KINDS.index("forward")]
+        start += float(forwards[0, 3] - forwards[0, 2]) if len(forwards) else 0.0
+        first, last = min(first, float(rows[:, 2].min())), max(last, float(rows[:, 3].max()))
+    return {"step_ms": (last - first) * 1e3 if last > first else 0.0, "work_bound_ms": bound * 1e3}
 
 
 def write_chrome_trace(per_rank: List[torch.Tensor], path: str) -> None:

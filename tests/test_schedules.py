@@ -225,3 +225,21 @@ def test_balanced_split_weighs_head_and_embeddings():
     assert min(balanced_split(StageCosts([1.0] * 4, 0.0, 100.0), 4)) == 1  # every stage keeps a layer
     with pytest.raises(ValueError, match="every stage needs a layer"):
         balanced_split(StageCosts([1.0] * 3, 0.0, 0.0), 4)
+
+
+def test_work_bound_of_a_traced_step():
+    """The traced step's work bound: each rank's compute and optimizer time, a rank starting no earlier than the
+    first forwards of the ranks before it; sends, receives and waits do not count."""
+    from pipeline.trace import KINDS, work_bound
+
+    def rows(*events):  # (kind, start ms, end ms) of step 0
+        return torch.tensor([[KINDS.index(k), 0, s / 1e3, e / 1e3, 0, 0] for k, s, e in events], dtype=torch.float64)
+
+    rank0 = rows(("forward", 0, 10), ("forward", 10, 20), ("recv", 20, 40), ("backward", 40, 60),
+                 ("backward", 60, 80), ("optimizer", 80, 85))
+    rank1 = rows(("recv", 0, 10), ("forward", 10, 22), ("backward_input", 22, 30), ("backward_weight", 30, 36),
+                 ("forward", 36, 48), ("recv", 48, 60), ("backward", 60, 80), ("optimizer", 80, 90))
+    out = work_bound([rank0, rank1], step=0)
+    assert out["step_ms"] == pytest.approx(90)
+    assert out["work_bound_ms"] == pytest.approx(max(65, 10 + 68))  # rank 1: 68 ms of work after rank 0's 10
+    assert work_bound([rank0, rank1], step=1) == {"step_ms": 0.0, "work_bound_ms": 0.0}

@@ -20,6 +20,7 @@ test: install
 # every benchmark, one after another (timings want an otherwise idle machine); tables -> benchmarks/results/*.json
 bench: install
 	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_pipeline.py
+	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_stage_cost.py
 	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_tp.py
 	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_p2p.py
 	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_dp.py

@@ -18,7 +18,6 @@ import time
 
 import _common as C  # sets OMP_NUM_THREADS before torch loads
 import torch
-import torch.distributed as dist
 
 from bench_pipeline import Chunk, shifted_ce
 from booster_plugin import Booster, HybridParallelPlugin

@@ -5,6 +5,11 @@ calls on the last stage, so the gradients sent between stages are scaled too). A
 gradients are unscaled and checked with torch's own AMP kernel (`torch._amp_foreach_non_finite_check_and_unscale_`,
 the one torch.amp.GradScaler uses); the found-inf flag is all-reduced (MAX) over every rank of every axis, so all
 ranks skip the same steps. The update rule is ColossalAI's DynamicGradScaler (with hysteresis).
+
+An overflow at a scale above `min_scale` is the scaler's business (the step is skipped, the scale backs off). At
+`min_scale` the scale cannot back off any more and the gradients are non-finite for good, so the optimizer applies
+`on_nonfinite` (HybridParallelOptimizer): "skip" warns and raises after MAX_SKIPS_AT_MIN_SCALE such steps in a row
+(DeepSpeed's "Current loss scale already at minimum"), "raise" raises at once, "ignore" keeps skipping silently.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
+
+MAX_SKIPS_AT_MIN_SCALE = 5  # consecutive overflowing steps at min_scale that on_nonfinite="skip" rides out
 
 
 @dataclass
@@ -56,9 +63,16 @@ class DynamicLossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
-    def unscale_and_check(self, grads: List[torch.Tensor]) -> bool:
-        """Divide `grads` (fp32) by the scale in place; True when any rank of the world saw inf or nan."""
-        return bool(nonfinite_stages(grads, 1.0 / self.scale, self.device, 0, 1).any())
+    @property
+    def at_min_scale(self) -> bool:
+        """The scale cannot back off any further."""
+        return self.scale <= self.config.min_scale
+
+    def unscale_and_check(self, grads: List[torch.Tensor], stage: int = 0, num_stages: int = 1) -> List[int]:
+        """Divide `grads` (fp32, this rank's: pipeline stage `stage` of `num_stages`) by the scale in place; the
+        stages on which any rank of the world saw inf or nan (empty: no overflow). Collective over the world."""
+        flags = nonfinite_stages(grads, 1.0 / self.scale, self.device, stage, num_stages)
+        return [s for s, bad in enumerate(flags.tolist()) if bad]
 
     def update(self, overflow: bool) -> None:
         c = self.config

@@ -13,7 +13,8 @@ from torch import nn
 
 from shardformer.layer.spec import get_tp_spec
 
-from .mixed_precision import DynamicLossScaler, nonfinite_stages
+from .mixed_precision import MAX_SKIPS_AT_MIN_SCALE, DynamicLossScaler, nonfinite_stages
+from .optimizer_guard import boosted_step
 from .parallel_module import HybridParallelModule
 
 __all__ = ["HybridParallelOptimizer", "global_norm"]
@@ -49,7 +50,8 @@ class HybridParallelOptimizer:
         self.max_norm = max_norm
         self.tracer = tracer
         self.scaler = scaler
-        self.on_nonfinite = on_nonfinite  # "skip" | "raise" | "ignore" (fp32/bf16; fp16's scaler always skips)
+        self.on_nonfinite = on_nonfinite  # "skip" | "raise" | "ignore" (fp16: for overflows at min_scale)
+        self._skips_at_min_scale = 0  # fp16: consecutive steps skipped for an overflow at min_scale
         self.steps = 0
         self._device = next(model.parameters()).device
         self._master_grad_pairs: List[Tuple[nn.Parameter, torch.Tensor]] = []
@@ -160,6 +162,28 @@ class HybridParallelOptimizer:
         if dist.get_rank() == 0:
             warnings.warn(what + " (on_nonfinite='skip').", stacklevel=3)
 
+    def _overflow(self, stages: List[int], scale: float, at_min_scale: bool) -> None:
+        """fp16, every rank alike (the flags are agreed): the step is skipped. Above min_scale that is the loss
+        scaler's business; at min_scale the gradients are non-finite for good and on_nonfinite applies: "raise" at
+        once, "skip" warns (rank 0) and raises at the MAX_SKIPS_AT_MIN_SCALE-th such step in a row, "ignore" is
+        silent."""
+        self.zero_grad()
+        self._skips_at_min_scale = self._skips_at_min_scale + 1 if at_min_scale else 0
+        if not at_min_scale or self.on_nonfinite == "ignore":
+            return
+        count, limit = self._skips_at_min_scale, MAX_SKIPS_AT_MIN_SCALE
+        what = (f"optimizer step {self.steps}: non-finite (inf/nan) fp16 gradients on pipeline stage(s) {stages} at "
+                f"loss scale {scale:g}, already at its minimum (min_scale)")
+        if self.on_nonfinite == "raise" or count >= limit:
+            why = ("on_nonfinite='raise'" if self.on_nonfinite == "raise" else
+                   f"{count} steps in a row skipped (on_nonfinite='skip' raises at {limit})")
+            raise FloatingPointError(f"{what}; {why}: the scale cannot back off any more, so every step would be "
+                                     f"skipped. Lower min_scale, use precision='bf16', or find the source of the "
+                                     f"inf/nan (learning rate, max_norm, data).")
+        if dist.get_rank() == 0:
+            warnings.warn(f"{what}; the step is skipped on every rank ({count} in a row; on_nonfinite='skip' raises "
+                          f"at {limit}).", stacklevel=3)
+
     def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> Optional[float]:
         """The global gradient norm (whole model, each element once, before clipping) of the last step that clipped
         (max_norm > 0), as ColossalAI's; None before such a step."""
@@ -172,11 +196,13 @@ class HybridParallelOptimizer:
             self.steps += 1
             grads = [g for _, g in self._master_grad_pairs]
             if self.scaler is not None:  # fp16: one decision for the world; every rank skips the same steps
-                overflow = self.scaler.unscale_and_check(grads)
-                self.scaler.update(overflow)
-                if overflow:
-                    self.zero_grad()
+                scale, at_min_scale = self.scaler.scale, self.scaler.at_min_scale  # (those of these gradients)
+                stages = self.scaler.unscale_and_check(grads, self.model.stage, self.model.num_stages)
+                self.scaler.update(bool(stages))
+                if stages:
+                    self._overflow(stages, scale, at_min_scale)
                     return None
+                self._skips_at_min_scale = 0
             elif self.on_nonfinite != "ignore":  # fp32/bf16: the same agreed check, without scaling
                 stages = nonfinite_stages(grads, 1.0, self._device, self.model.stage, self.model.num_stages)
                 if stages.any():
@@ -184,8 +210,10 @@ class HybridParallelOptimizer:
                     return None
             if self.max_norm > 0:
                 self.clip_grad_norm(self.max_norm)
-            result = self.optim.step(*args, **kwargs)
+            with boosted_step(self.optim):
+                result = self.optim.step(*args, **kwargs)
             self._publish()
+            self.model.grads_stepped()
             return result
 
     def state_dict(self) -> Dict[str, Any]:

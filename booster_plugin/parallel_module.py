@@ -2,6 +2,7 @@
 optimizer.py)."""
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -11,6 +12,8 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shardformer.layer.spec import get_tp_spec
+
+from .failure import FailureGuard
 
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -117,6 +120,23 @@ class GradBucket:
         for i, p in enumerate(self.params):
             p.grad = self.view(i) if self.used[i] else None
 
+    @torch.no_grad()
+    def adopt_grads(self) -> None:
+        """ZeRO, before the step reads its slice: take the script's changes to `p.grad` since the reduction (in-place
+        changes already live in the buffer; a replaced gradient is copied into it, a removed one is unused).
+        ZeRO-2 keeps no `p.grad`, so a gradient set on a parameter could not be applied: refused."""
+        for i, p in enumerate(self.params):
+            if self.scatter and p.grad is not None:
+                raise RuntimeError("zero_stage=2 partitions the gradients over data parallel: `p.grad` is None after "
+                                   "the backward, and a gradient set on a parameter cannot be applied. Use "
+                                   "zero_stage=1 (or 0) to change gradients before optimizer.step(), or the "
+                                   "plugin's max_norm for clipping.")
+            if self.scatter:
+                continue
+            self.used[i] = p.grad is not None
+            if p.grad is not None and p.grad.data_ptr() != self.view(i).data_ptr():
+                self.view(i).copy_(p.grad)
+
     def shard_grad(self, rank: int) -> torch.Tensor:
         """ZeRO: the averaged gradients of the slice dp rank `rank` (this rank) owns."""
         if self.scatter:
@@ -138,8 +158,10 @@ class HybridParallelModule(nn.Module):
 
     def __init__(self, module: nn.Module, stage_forward, dp_group: Optional[dist.ProcessGroup],
                  tp_group: Optional[dist.ProcessGroup], pp_group: Optional[dist.ProcessGroup],
-                 shared_params: List[tuple], zero_stage: int = 0, bucket_bytes: int = BUCKET_BYTES) -> None:
+                 shared_params: List[tuple], zero_stage: int = 0, bucket_bytes: int = BUCKET_BYTES,
+                 failure_guard: Optional[FailureGuard] = None) -> None:
         super().__init__()
+        self.failure_guard = failure_guard  # (pp == 1: the reduction at the end of a backward runs under it)
         self.module = module
         self._stage_forward = stage_forward
         self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
@@ -151,6 +173,10 @@ class HybridParallelModule(nn.Module):
         self.shared_params = shared_params  # [(parameter, group of the stages holding it, is_owner)]
         # False while gradients accumulate (all but the last microbatch, booster.no_sync): no reduction launched
         self.require_grad_sync = True
+        # True from the end of the reduction (sync_grads) until the gradients are stepped or zeroed: `p.grad` then
+        # holds the averaged gradients, final as after one process's backward
+        self._grads_synced = False
+        self._sync_queued = False  # pp == 1: sync_grads is queued to run when the running backward pass ends
         self.lora = None  # booster_plugin.lora.LoRAState when boosted with LoRA adapters (the PeftModel, ...)
         self._buckets: List[GradBucket] = []
         if self.dp_size > 1:  # buckets in reverse order: the backward pass produces the last layers' grads first
@@ -174,23 +200,42 @@ class HybridParallelModule(nn.Module):
 
         def hook(param: nn.Parameter) -> None:
             module = owner()
-            if module is None or not module.require_grad_sync:
+            if module is None:
                 return
             bucket = module._buckets[bucket_index]
-            if bucket.launched:
+            if module._grads_synced or bucket.launched:
                 raise RuntimeError("A second backward pass reached gradients whose data-parallel reduction already "
                                    "started. To accumulate gradients, run all but the last backward inside "
                                    "`with booster.no_sync(model):`, or call optimizer.step()/zero_grad() between.")
+            if not module.require_grad_sync:
+                return
+            if module.pp_group is None and not module._sync_queued:  # with a pipeline, execute_pipeline ends it
+                module._sync_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(module._sync_after_backward)
             bucket.ready.add(index)
             if len(bucket.ready) == len(bucket.params):
                 bucket.launch(module.dp_group)
         return hook
 
+    def _sync_after_backward(self) -> None:
+        """End of a backward pass that launched reductions (pp == 1): finish them, so that `p.grad` holds the
+        averaged gradients when `backward()` returns, as in one process and torch DDP (the engine's final
+        callback, as DDP uses)."""
+        self._sync_queued = False
+        # waiting for the replicas: a failure another rank published (failure.py) stops this rank instead of hanging
+        with self.failure_guard.step("backward") if self.failure_guard is not None else contextlib.nullcontext():
+            self.sync_grads()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Also drops reductions launched for gradients that are now discarded (e.g. a skipped step)."""
         for bucket in self._buckets:
             bucket.reset()
+        self._grads_synced = False
         super().zero_grad(set_to_none=set_to_none)
+
+    def grads_stepped(self) -> None:
+        """The optimizer stepped the synced gradients: a later backward accumulates into them and reduces again."""
+        self._grads_synced = False
 
     def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
         """The sharded transformers model; `unwrap_peft=False`: the PeftModel around it, for a LoRA model."""
@@ -219,10 +264,23 @@ class HybridParallelModule(nn.Module):
         return self.module(*args, **kwargs)
 
     # -- gradient reduction (called by the optimizer's step) ---------------------------------------------
+    @property
+    def grads_synced(self) -> bool:
+        """Whether `p.grad` holds the final (averaged over dp, summed over sharing stages) gradients."""
+        return self._grads_synced
+
     @torch.no_grad()
     def sync_grads(self) -> None:
         """Average gradients over data parallel (buckets not launched during the backward pass are launched now,
-        e.g. with unused parameters), then sum those of parameters shared by stages (tied embeddings)."""
+        e.g. with unused parameters), then sum those of parameters shared by stages (tied embeddings). Runs at the
+        end of the step's backward (pp == 1: the engine's final callback; pp > 1: the end of execute_pipeline), or
+        at optimizer.step() after backward passes that were all inside no_sync; a no-op once done."""
+        if self._grads_synced or not (self._buckets or self.shared_params):  # (nothing to reduce: as one process)
+            return
+        self._grads_synced = True
+        self._sync_grads()
+
+    def _sync_grads(self) -> None:
         for bucket in self._buckets:
             if not bucket.launched:
                 bucket.launch(self.dp_group)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -30,15 +31,29 @@ from .parallel_module import GradBucket
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                           torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
+_UPDATE_METHODS = ("step", "_init_group")  # where an optimizer reads its gradients and computes its update
 
 
 def check_zero_optimizer(optimizer: torch.optim.Optimizer, zero_stage: int) -> None:
-    """Refuse an optimizer whose update is not element-wise (it cannot step a slice of a parameter)."""
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+    """Refuse an optimizer whose update is not element-wise (it cannot step a slice of a parameter): one of
+    ELEMENTWISE_OPTIMIZERS, or a subclass that keeps its update (overrides neither `step` nor `_init_group`, e.g.
+    only its constructor). Depends on the optimizer's class alone, so every rank decides alike."""
+    cls = type(optimizer)
+    base = next((c for c in cls.__mro__ if c in ELEMENTWISE_OPTIMIZERS), None)
+    if base is None:
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
         raise TypeError(f"zero_stage={zero_stage} partitions parameters element-wise over data parallel; "
-                        f"{type(optimizer).__name__} is not one of the element-wise optimizers ({names}). "
+                        f"{cls.__name__} is not one of the element-wise optimizers ({names}) nor a subclass of one. "
                         f"Use one of them or zero_stage=0.")
+    # (torch wraps `step` in a profiling hook per class, so compare the functions underneath)
+    overridden = [name for name in _UPDATE_METHODS
+                  if inspect.unwrap(getattr(cls, name)) is not inspect.unwrap(getattr(base, name))]
+    if overridden:
+        raise TypeError(f"zero_stage={zero_stage} steps each dp rank's slice of a parameter, which is exact only for "
+                        f"an element-wise update; {cls.__name__} subclasses {base.__name__} but overrides "
+                        f"{' and '.join(overridden)}, so its update may mix elements of a parameter (e.g. a per-tensor "
+                        f"mean or norm) and would train differently under ZeRO. Use zero_stage=0, or {base.__name__} "
+                        f"itself (a subclass that changes only its constructor is accepted).")
 
 
 @dataclass
@@ -98,6 +113,8 @@ class ZeroOptimizer(HybridParallelOptimizer):
             seg.master.copy_(value.reshape(-1)[seg.start:seg.start + seg.numel])
 
     def _master_grads(self) -> List[Tuple[nn.Parameter, torch.Tensor]]:
+        for bucket in self.model.buckets:
+            bucket.adopt_grads()
         out = []
         for seg in self.segments.values():
             seg.master.grad = None

@@ -78,7 +78,7 @@ class Sharder:
             enter_tp_regions_once(self.model, self.policy, self.shard_config.tensor_parallel_process_group,
                                   SEQUENCE_DIM if mode == "split_gather" else None)
             self._change_attributes()
-            self._use_local_rng()
+            self._use_tracker_rng()
             if mode is not None:
                 apply_sequence_parallelism(self.model, self.policy, span, mode,
                                            self.shard_config.tensor_parallel_process_group)
@@ -200,14 +200,16 @@ class Sharder:
         if 0 not in stages:  # the stand-ins for good
             for path, module in stand_ins.items():
                 replace_submodule(model, path, module)
-        elif len(stages) > 1 and stand_ins:  # swapped in for the other chunks: registered, so .to() reaches them
-            model.pipeline_stand_ins = nn.ModuleDict({p.replace(".", "__"): m for p, m in stand_ins.items()})
         if last not in stages:
             for path in policy.exit:
                 if getattr(*get_submodule_parent(base, path)) is not None:
                     replace_submodule(base, path, Released(prefix + path))
             for name in policy.head_modules():
                 setattr(model, name, Released(name))
+        if 0 in stages and len(stages) > 1 and stand_ins:  # swapped in for the other chunks
+            # registered after the head's release (which takes every top-level module but the base model), so that
+            # model.to(dtype) reaches them: their zeros, and the rotary tables built from them, follow the model
+            model.pipeline_stand_ins = nn.ModuleDict({p.replace(".", "__"): m for p, m in stand_ins.items()})
         held = held_layer_list(layers, [i for start, end in ranges for i in range(start, end)])
         replace_submodule(model, prefix + policy.layers, held)
         chunks = []
@@ -340,12 +342,16 @@ class Sharder:
                         if hasattr(module, attr):
                             setattr(module, attr, value)
 
-    def _use_local_rng(self) -> None:
+    def _use_tracker_rng(self) -> None:
+        """Dropout draws from the tracker: the model's forward under its shared state (not the script's global RNG),
+        modules on sharded activations under this rank's private state."""
         tracker = self.shard_config.rng_tracker
         if tracker is None:
             return
-        from .layer.dropout import wrap_module_forward_in_local_rng, wrap_module_forward_in_shared_rng
+        from .layer.dropout import (wrap_model_forward_in_tracker_rng, wrap_module_forward_in_local_rng,
+                                    wrap_module_forward_in_shared_rng)
 
+        wrap_model_forward_in_tracker_rng(self.model, tracker)
         if self.shard_config.sp_mode is not None:  # every activation inside a layer is split: per-rank masks
             for layer in self.policy.layer_list():
                 wrap_module_forward_in_local_rng(layer, tracker)

@@ -29,6 +29,7 @@ from shardformer.layer import (
     wrap_module_forward_in_local_rng,
 )
 from shardformer.layer.comm import _exchange_partners, start_sum
+from shardformer.layer.dropout import wrap_model_forward_in_tracker_rng
 from shardformer.layer.region import RegionInput
 from shardformer.layer.spec import zero_padding
 from tests.dist_utils import run_distributed
@@ -441,32 +442,48 @@ def case_dropout_rng(group) -> None:
     assert _all_distinct_across(drop(x), group)
 
     tracker = TPRNGTracker()
+    script = torch.get_rng_state()
     tracker.sync(group, base_seed=1234 + dist.get_rank())  # the group's first rank's seed wins
-    assert _all_equal_across(drop(x), group)
+    assert torch.equal(torch.get_rng_state(), script), "sync touched the script's RNG"
+    with tracker.model_rng():  # as the model's forward: the shared state, the same on every rank
+        assert _all_equal_across(drop(x), group)
+        before_local = torch.get_rng_state()
+        with tracker.local_rng():
+            m1 = drop(x)
+        assert torch.equal(torch.get_rng_state(), before_local)
+        assert _all_distinct_across(m1, group)
+        with tracker.local_rng():
+            m2 = drop(x)
+        assert not torch.equal(m1, m2)  # the private state advances between uses
 
-    before_local = torch.get_rng_state()
-    with tracker.local_rng():
-        m1 = drop(x)
-    assert torch.equal(torch.get_rng_state(), before_local)
-    assert _all_distinct_across(m1, group)
-    with tracker.local_rng():
-        m2 = drop(x)
-    assert not torch.equal(m1, m2)  # the private state advances between uses
+        after = drop(x)
+        torch.set_rng_state(before_local)
+        assert torch.equal(drop(x), after)  # local use did not consume the shared stream
+        assert _all_equal_across(after, group)
+    assert torch.equal(torch.get_rng_state(), script), "the model's draws advanced the script's RNG"
 
-    after = drop(x)
-    torch.set_rng_state(before_local)
-    assert torch.equal(drop(x), after)  # local use did not consume the default stream
-    assert _all_equal_across(after, group)
-
-    # module hooks: dropout inside the wrapped module is per rank, the default stream is untouched
+    # module hooks: dropout inside the wrapped module is per rank, the shared stream is untouched
     inner = nn.Sequential(nn.Identity(), nn.Dropout(0.5))
     handles = wrap_module_forward_in_local_rng(inner, tracker)
-    state = torch.get_rng_state()
-    assert _all_distinct_across(inner(x), group)
-    assert torch.equal(torch.get_rng_state(), state)
-    assert _all_equal_across(drop(x), group)
+    with tracker.model_rng():
+        state = torch.get_rng_state()
+        assert _all_distinct_across(inner(x), group)
+        assert torch.equal(torch.get_rng_state(), state)
+        assert _all_equal_across(drop(x), group)
     for h in handles:
         h.remove()
+    # the whole model under the shared state, also when its forward ends by an exception
+    outer = nn.Sequential(nn.Dropout(0.5))
+    handles = wrap_model_forward_in_tracker_rng(outer, tracker)
+    assert _all_equal_across(outer(x), group) and torch.equal(torch.get_rng_state(), script)
+    for h in handles:
+        h.remove()
+    failing = nn.Sequential(nn.Dropout(0.5), nn.Linear(3, 3))  # draws, then fails on the 4096 features
+    wrap_model_forward_in_tracker_rng(failing, tracker)
+    script = torch.get_rng_state()  # (building the Linear drew from it)
+    with pytest.raises(RuntimeError):
+        failing(x)
+    assert torch.equal(torch.get_rng_state(), script)
 
 
 CASES = [

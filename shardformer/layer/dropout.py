@@ -1,7 +1,9 @@
-"""RNG bookkeeping for dropout under tensor parallelism.
+"""RNG bookkeeping for dropout under tensor parallelism, apart from the script's own global RNG.
 
-Replicated activations need identical dropout masks on all TP ranks (the shared default generator), while sharded
-activations such as a head shard of attention probabilities need a different mask per rank (a private state).
+Replicated activations need identical dropout masks on all TP ranks (a shared state), while sharded activations such
+as a head shard of attention probabilities need a different mask per rank (a private state). Both are the tracker's:
+the model's forward runs with the shared state swapped into torch's default generators (so that dropout inside the
+model's own modules draws from it too), and the script's state is put back when the forward ends, untouched.
 """
 from __future__ import annotations
 
@@ -16,13 +18,15 @@ from torch.utils.hooks import RemovableHandle
 
 from .comm import get_tp_rank, get_tp_world_size
 
-__all__ = ["TPRNGTracker", "wrap_module_forward_in_local_rng", "wrap_module_forward_in_shared_rng"]
+__all__ = ["TPRNGTracker", "wrap_model_forward_in_tracker_rng", "wrap_module_forward_in_local_rng",
+           "wrap_module_forward_in_shared_rng"]
 
 _LOCAL_SEED_OFFSET = 2718
 
 
 class TPRNGTracker:
-    """Holds one private RNG state per TP rank and swaps it in around code that works on sharded activations.
+    """Holds the shared RNG state (the same on every TP rank) the model's forward runs under, and one private state
+    per TP rank that it swaps in around code that works on sharded activations.
 
     Tracks the CPU generator and, when `device` is an accelerator, that device's default generator.
     """
@@ -30,6 +34,9 @@ class TPRNGTracker:
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device("cpu" if device is None else device)
         self.seed: int | None = None
+        self._shared_states: list[Tensor] | None = None
+        self._script_states: list[Tensor] | None = None  # the script's own state, while the model's forward runs
+        self._model_depth = 0
         self._local_states: list[Tensor] | None = None
         self._saved: list[Tensor] | None = None
         self._depth = 0
@@ -52,20 +59,48 @@ class TPRNGTracker:
         return states
 
     def sync(self, group: ProcessGroup | None, base_seed: int) -> int:
-        """Seed the default generators of every rank in `group` with the first rank's `base_seed`; returns it.
-
-        Also (re)creates this rank's private state, seeded `base_seed + 2718 + tp_rank`.
-        """
+        """(Re)create the shared state, seeded with the first rank of `group`'s `base_seed` on every rank of it, and
+        this rank's private state, seeded `base_seed + 2718 + tp_rank`; returns the seed. Torch's default
+        generators (the script's) are left as they are."""
         if get_tp_world_size(group) > 1:
             backend = str(dist.get_backend(group))
             seed = torch.tensor([base_seed], dtype=torch.int64,
                                 device="cpu" if "gloo" in backend else self.device)
             dist.broadcast(seed, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
             base_seed = int(seed.item())
-        torch.manual_seed(base_seed)
         self.seed = base_seed
+        self._shared_states = self._fresh_states(base_seed)
         self._local_states = self._fresh_states(base_seed + _LOCAL_SEED_OFFSET + get_tp_rank(group))
         return base_seed
+
+    def enter_model(self) -> None:
+        """The model's forward starts: swap the shared state in, keeping the script's (re-entrant)."""
+        if self._shared_states is None:
+            raise RuntimeError("TPRNGTracker.sync() must be called before the model runs under the tracker's RNG")
+        if self._model_depth == 0:
+            self._script_states = self._get_states()
+            self._set_states(self._shared_states)
+        self._model_depth += 1
+
+    def exit_model(self) -> None:
+        """The model's forward ends (also by an exception): keep the advanced shared state, put the script's back.
+        Nothing to do when not entered (an earlier pre-hook of the model raised before `enter_model` ran)."""
+        if self._model_depth == 0:
+            return
+        self._model_depth -= 1
+        if self._model_depth == 0:
+            self._shared_states = self._get_states()
+            self._set_states(self._script_states)
+            self._script_states = None
+
+    @contextmanager
+    def model_rng(self) -> Iterator[None]:
+        """Run the block as the model's forward runs: under the shared state; the script's is restored afterwards."""
+        self.enter_model()
+        try:
+            yield
+        finally:
+            self.exit_model()
 
     @property
     def local_states(self) -> list[Tensor] | None:
@@ -116,6 +151,20 @@ class TPRNGTracker:
             yield
         finally:
             self.exit_local()
+
+
+def wrap_model_forward_in_tracker_rng(model: nn.Module, tracker: TPRNGTracker) -> tuple[RemovableHandle, ...]:
+    """Run `model`'s whole forward under the tracker's shared state, dropout of its own modules included; the exit
+    hook runs even when the forward ends by an exception (a pipeline stage ends its forward by raising), so the
+    script's RNG state is always put back."""
+
+    def enter(mod: nn.Module, args: tuple) -> None:
+        tracker.enter_model()
+
+    def leave(mod: nn.Module, args: tuple, output: object) -> None:
+        tracker.exit_model()
+
+    return model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)
 
 
 def wrap_module_forward_in_local_rng(module: nn.Module, tracker: TPRNGTracker) -> tuple[RemovableHandle, ...]:

@@ -4,11 +4,12 @@ names, and `optimizer.index.json` (layout, files, per-tensor CRC32s).
 Loading into the same layout is exact (each rank reads its own file); into another (tp, pp, layer split) every state
 tensor shaped like its parameter is reassembled from the saved tp shards and re-sharded through the TPSpecs.
 Hyperparameters are matched by name: each current param group takes those of the saved group its parameters were
-in (refused if they were in groups with different hyperparameters). State for parameters the model does not have
-is refused (`strict=False`: a warning naming them).
+in (refused if they were in groups with different hyperparameters, over the parameters of every pipeline stage).
+State for parameters the model does not have is refused (`strict=False`: a warning naming them).
 """
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple
@@ -138,22 +139,35 @@ def save_optimizer(io: "HybridParallelCheckpointIO", optimizer, checkpoint: str,
 
 
 # -- load --------------------------------------------------------------------------------------------------------
+class GroupMember(NamedTuple):
+    """Of a current param group on this rank: which saved hyperparameters it takes (an index into the checkpoint's
+    distinct ones, the same on every rank) and for which parameter (an index into the sorted model parameter names);
+    -1, -1 for a group without saved state here."""
+    hyper: int
+    param: int
+
+
 class Loaded(NamedTuple):
     state: Dict[nn.Parameter, Dict[str, Any]]      # new state of each parameter this rank steps
     hyper: List[Optional[Dict[str, Any]]]          # new hyperparameters of each param group (None: keep)
     warning: Optional[str]                         # strict=False: what was skipped
     loss_scaler: Optional[Dict[str, Any]] = None   # fp16: the saved loss scaler's state
+    members: Tuple[GroupMember, ...] = ()          # for agree_on_groups: each param group's saved hyperparameters
 
 
-def _matched_hyper(parts: OptimizerParts, metas: Dict[str, Any], resolve) -> List[Optional[Dict[str, Any]]]:
-    """For each current param group: the hyperparameters of the saved group its parameters were in."""
+def _matched_hyper(parts: OptimizerParts, metas: Dict[str, Any],
+                   resolve) -> Tuple[List[Optional[Dict[str, Any]]], List[GroupMember]]:
+    """For each current param group: the hyperparameters of the saved group its parameters were in (this stage's
+    parameters; `agree_on_groups` then compares the stages)."""
     saved: Dict[str, Dict[str, Any]] = {}
     for meta in metas.values():
         for g in meta["param_groups"]:
             hyper = {k: v for k, v in g.items() if k != "params"}
             for n in g["params"]:
                 saved.setdefault(n, hyper)
-    out = []
+    distinct = sorted({json.dumps(h, sort_keys=True) for h in saved.values()})
+    param_index = {n: i for i, n in enumerate(sorted(parts.module.full_params))}
+    out, members = [], []
     for gi, group in enumerate(parts.optim.param_groups):
         chosen, first = None, None
         for p in group["params"]:
@@ -166,7 +180,41 @@ def _matched_hyper(parts: OptimizerParts, metas: Dict[str, Any], resolve) -> Lis
                 raise ValueError(f"param group {gi} holds {first!r} and {found!r}, which the checkpoint has in "
                                  f"groups with different hyperparameters; group the parameters as when saving")
         out.append(None if chosen is None else {k: fmt.from_json(v) for k, v in chosen.items()})
-    return out
+        members.append(GroupMember(-1, -1) if chosen is None else GroupMember(
+            distinct.index(json.dumps(chosen, sort_keys=True)), param_index.get(first, -1)))
+    return out, members
+
+
+def agree_on_groups(parts: OptimizerParts, loaded: "Loaded", stage: int, device: torch.device) -> Optional[str]:
+    """Collective: the error (the same on every rank) if a param group takes different saved hyperparameters on
+    different pipeline stages, i.e. regroups the checkpoint's groups over the whole model; None if none does.
+
+    An all-reduce of the group count, then one all-gather of [stage, (hyper, param) per group] per rank."""
+    count = torch.tensor([len(loaded.members), -len(loaded.members)], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    most, fewest = int(count[0]), -int(count[1])
+    if most != fewest:
+        return (f"the optimizer has {fewest} param groups on some ranks and {most} on others: build it the same "
+                f"way on every rank")
+    mine = torch.tensor([stage, *(v for m in loaded.members for v in m)], dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    rows = [r.tolist() for r in rows]
+    names = sorted(parts.module.full_params)
+    for gi in range(most):
+        held = [(r[0], GroupMember(*r[1 + 2 * gi:3 + 2 * gi])) for r in rows]
+        held = [(s, m) for s, m in held if m.hyper >= 0]
+        conflict = next(((s, m) for s, m in held if m.hyper != held[0][1].hyper), None)
+        if conflict is not None:
+            (s0, m0), (s1, m1) = held[0], conflict
+            return (f"param group {gi} holds {_name(names, m0.param)} (pipeline stage {s0}) and "
+                    f"{_name(names, m1.param)} (pipeline stage {s1}), which the checkpoint has in groups with "
+                    f"different hyperparameters; group the parameters as when saving")
+    return None
+
+
+def _name(names: List[str], index: int) -> str:
+    return repr(names[index]) if index >= 0 else "a parameter"
 
 
 def read_optimizer(io: "HybridParallelCheckpointIO", parts: OptimizerParts, checkpoint: str, prefix: Optional[str],
@@ -214,7 +262,7 @@ def read_optimizer(io: "HybridParallelCheckpointIO", parts: OptimizerParts, chec
                         f"{' ...' if len(missing) > 8 else ''}")
     if problems and strict:
         raise LookupError(f"{directory}: {'; '.join(problems)} (strict=False skips them)")
-    hyper = _matched_hyper(parts, metas, resolve)
+    hyper, members = _matched_hyper(parts, metas, resolve)
     tp_rank, tp_world = io.plugin.tp_rank, io.plugin.tp_size
     checks: Dict[Tuple[str, str], Tuple[fmt.TensorFile, str, str]] = {}
 
@@ -273,7 +321,7 @@ def read_optimizer(io: "HybridParallelCheckpointIO", parts: OptimizerParts, chec
             new_state[p] = state
     fmt.verify_all(list(checks.values()), num_threads)
     return Loaded(new_state, hyper, f"load_optimizer({checkpoint!r}): {'; '.join(problems)}" if problems else None,
-                  index.get("loss_scaler"))
+                  index.get("loss_scaler"), tuple(members))
 
 
 def apply_optimizer(optim: torch.optim.Optimizer, loaded: Loaded) -> None:

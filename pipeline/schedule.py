@@ -335,6 +335,8 @@ class PipelineSchedule:
         if st.criterion is None:
             return None
         loss = st.criterion(output, micro_batch)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise _not_a_loss(loss)
         st.loss += loss.detach() * st.weights[i]
         return loss * st.scales[i]
 
@@ -349,6 +351,15 @@ class PipelineSchedule:
         tensors, grads = _split_pairs(output_obj, output_grad)
         if tensors:
             torch.autograd.backward(tensors, grad_tensors=grads)
+
+
+def _not_a_loss(value: Any) -> TypeError:
+    """The error for a criterion that returned something other than a scalar tensor."""
+    what = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)[:80]
+    hint = " (a model's own `outputs.loss` is None when the batch has no labels)" if value is None else \
+        ": reduce it in the criterion, e.g. with .mean()" if isinstance(value, torch.Tensor) else ""
+    return TypeError(f"criterion(outputs, micro_batch) must return the microbatch's loss as a scalar tensor; it "
+                     f"returned {what}{hint}.")
 
 
 def _split_pairs(output_obj: Any, output_grad: Any) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:

@@ -10,7 +10,8 @@ the adapters follow it, so that peft's own forward (and its parameter names) sta
 - base row-parallel (input split): `lora_A` row-parallel (input split, output all-reduced), `lora_B` replicated.
 Dropout on a replicated input draws the same mask on every tp rank, on a split input a mask per rank.
 Embeddings, the vocab-parallel LM head, gathered outputs and LoRA variants (DoRA, ...) are refused: their adapters
-would need other communication than the base layer's.
+would need other communication than the base layer's. So is a `modules_to_save` copy of a module the plan shards
+(without tp, such copies train like any module).
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from .layer.replicated import sum_grads_over_tp
 from .layer.spec import TPSpec, shard_parameter
 from .layer.region import enter_region
 
-__all__ = ["LoRAShardingError", "is_lora_layer", "native_module", "shards_adapters", "check_lora_layers",
-           "shard_lora_layer"]
+__all__ = ["LoRAShardingError", "is_lora_layer", "is_modules_to_save", "native_module", "shards_adapters",
+           "check_lora_layers", "shard_lora_layer"]
 
 
 class LoRAShardingError(NotImplementedError):
@@ -42,17 +43,34 @@ def is_lora_layer(module: nn.Module) -> bool:
     return isinstance(module, LoraLayer)
 
 
+def is_modules_to_save(module: nn.Module) -> bool:
+    """Is `module` peft's wrapper of a `modules_to_save` entry (the original module and a trainable full copy)?"""
+    try:
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:
+        return False
+    return isinstance(module, ModulesToSaveWrapper)
+
+
 def native_module(module: nn.Module) -> nn.Module:
-    """The module a plan entry shards: the base layer a LoRA layer wraps, else the module itself."""
-    return module.get_base_layer() if is_lora_layer(module) else module
+    """The module a plan entry shards: the base layer a LoRA layer wraps, the original module of a `modules_to_save`
+    wrapper, else the module itself."""
+    if is_lora_layer(module):
+        return module.get_base_layer()
+    return module.original_module if is_modules_to_save(module) else module
+
+
+def _replaces(style) -> bool:
+    """Does `style` replace the module (styles that keep it whole, replicated with summed gradients or KVHeads, act on
+    a wrapper as on any module)?"""
+    from .policies.base import GradAllReduce, KVHeads
+
+    return style is not None and not isinstance(style, (GradAllReduce, KVHeads))
 
 
 def shards_adapters(module: nn.Module, style) -> bool:
-    """Is `module` a LoRA layer whose base layer `style` replaces (so the adapters must follow it here)? Styles that
-    keep the module whole (replicated with summed gradients, KVHeads) act on the LoRA layer as on any module."""
-    from .policies.base import GradAllReduce, KVHeads
-
-    return style is not None and is_lora_layer(module) and not isinstance(style, (GradAllReduce, KVHeads))
+    """Is `module` a LoRA layer whose base layer `style` replaces (so the adapters must follow it here)?"""
+    return is_lora_layer(module) and _replaces(style)
 
 
 def check_lora_layers(model: nn.Module, style_of: Callable[[str], object]) -> None:
@@ -60,8 +78,16 @@ def check_lora_layers(model: nn.Module, style_of: Callable[[str], object]) -> No
     base layer's style (`style_of(path)`). Pure: called on every rank on the unsharded model, before any
     collective."""
     for path, layer in model.named_modules():
-        if shards_adapters(layer, style_of(path)):
-            _check_lora_layer(path, layer, style_of(path))
+        style = style_of(path)
+        if is_modules_to_save(layer) and _replaces(style):
+            name = path.rpartition(".")[2]
+            raise LoRAShardingError(f"LoraConfig.modules_to_save wraps '{path}' in a trainable full copy (peft's "
+                                    f"ModulesToSaveWrapper), but tensor parallelism shards '{path}' as "
+                                    f"{type(style).__name__}, which that copy cannot follow. Leave '{name}' out of "
+                                    f"modules_to_save, or use tp_size=1 (pipeline and data parallelism keep the "
+                                    f"module whole).")
+        if shards_adapters(layer, style):
+            _check_lora_layer(path, layer, style)
 
 
 def _check_lora_layer(path: str, layer: nn.Module, style) -> None:

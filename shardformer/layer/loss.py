@@ -21,6 +21,10 @@ def _all_reduce(x: Tensor, group: ProcessGroup | None, op: dist.ReduceOp = dist.
 def _check_targets(target: Tensor, ignore_index: int, vocab_size: int) -> None:
     """Refuse targets outside [0, vocab_size) as F.cross_entropy does; every tp rank holds the same targets, so each
     raises the same error before the first collective (masking them would train on garbage)."""
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"labels have dtype {target.dtype}, but the vocab-parallel cross-entropy takes token ids: pass "
+                        f"integer labels (e.g. labels.long()), with ignore_index={ignore_index} for tokens without a "
+                        f"loss.")
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
     if bool(bad.any()):
         value = int(target[bad][0])

@@ -162,6 +162,25 @@ class Policy:
                 if parent and not _has(base, parent):
                     refuse(entry, path)
 
+    def check_plan(self) -> None:
+        """Refuse tp plan entries that match no module or parameter of the model (a typo would leave that layer
+        unsharded and fail later with a shape error) or whose value is not a style instance, naming the entry and
+        what the model has where the pattern stops matching. For plans written by hand (custom policies)."""
+        name = type(self).__name__
+        for where, plan, root in (("tp_plan", self.tp_plan, self.model.base_model),
+                                  ("head_tp_plan", self.head_tp_plan, self.model)):
+            paths = [n for n, _ in root.named_modules() if n] + [n for n, _ in root.named_parameters()]
+            for pattern, style in plan.items():
+                if not isinstance(style, ParallelStyle):
+                    what = f"the class {style.__name__}" if isinstance(style, type) else repr(style)
+                    raise TypeError(f"{name}.{where}[{pattern!r}] is {what}, not a parallel style: write an instance, "
+                                    f"e.g. Colwise().")
+                if not any(match(pattern, p) for p in paths):
+                    raise ValueError(f"{name}.{where}[{pattern!r}] matches no module or parameter of "
+                                     f"{type(root).__name__}{_nearest(root, pattern)}. Fix the pattern: it is "
+                                     f"relative to {'the base model' if where == 'tp_plan' else 'the model'}, "
+                                     f"'*' standing for one name (e.g. a layer index).")
+
     def num_layers(self) -> int:
         """Layers of the unsharded model (remembered: after sharding the list holds this stage's only)."""
         if getattr(self, "_num_layers", None) is None:
@@ -268,6 +287,17 @@ def _has(module: nn.Module, path: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+def _nearest(root: nn.Module, pattern: str) -> str:
+    """Where `pattern` stops matching `root`'s modules: the deepest module its leading names match, and its children."""
+    parts = pattern.split(".")
+    paths = [n for n, _ in root.named_modules() if n]
+    for k in range(len(parts) - 1, 0, -1):
+        hit = next((p for p in paths if match(".".join(parts[:k]), p)), None)
+        if hit is not None:
+            return f"; '{hit}' has {[n for n, _ in root.get_submodule(hit).named_children()]}"
+    return f"; it has {[n for n, _ in root.named_children()]}"
 
 
 def match(pattern: str, path: str) -> bool:

@@ -90,7 +90,9 @@ class Booster:
 
     def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion: Callable, optimizer=None,
                          return_loss: bool = True, return_outputs: bool = False) -> Dict[str, Any]:
-        """One step (forward and, with grad enabled, backward) over microbatches; {"loss", "outputs"}."""
+        """One step over microbatches; {"loss", "outputs"}. Forwards and backwards; forwards only (evaluation) under
+        torch.no_grad() or with the model in eval mode and no optimizer. `criterion(outputs, micro_batch)` returns
+        the microbatch's scalar loss (needed to train)."""
         return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer, return_loss, return_outputs)
 
     @contextlib.contextmanager

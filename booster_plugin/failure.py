@@ -1,7 +1,8 @@
 """Failure containment: an exception on one rank inside a step ends the step on every rank, naming that rank.
 
 A gloo receive or collective cannot be interrupted: a rank blocked waiting for a rank that raised would wait for the
-process-group timeout (30 minutes by default) or, if that rank's script catches the exception and goes on, forever.
+process-group timeout (the plugin's, 600 s by default) or, if that rank's script catches the exception and goes on,
+forever.
 So a failing rank publishes `rank R: ExceptionType: message` in the job's rendezvous store (the TCPStore of the
 default process group) before re-raising, and a watchdog thread on every rank polls that store:
 - a rank inside a step whose collective fails because the failing rank closed its connections raises `RankFailure`
@@ -24,7 +25,7 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
-__all__ = ["RankFailure", "FailureGuard"]
+__all__ = ["RankFailure", "FailureGuard", "default_store"]
 
 _KEY = "hybrid_parallel/failure"
 
@@ -45,7 +46,7 @@ class FailureGuard:
     @classmethod
     def shared(cls) -> "FailureGuard":
         """One guard (one watchdog thread) per process and default process group."""
-        store = _default_store()
+        store = default_store()
         if cls._shared is None or cls._shared._store is not store:
             if cls._shared is not None:
                 cls._shared.close()
@@ -54,7 +55,7 @@ class FailureGuard:
 
     def __init__(self, poll_seconds: float = 0.5) -> None:
         self.rank = dist.get_rank()
-        self._store = _default_store()
+        self._store = default_store()
         self._failure: Optional[str] = None
         self._in_step = threading.Event()
         self._stop = threading.Event()
@@ -68,7 +69,12 @@ class FailureGuard:
 
     @contextlib.contextmanager
     def step(self, what: str) -> Iterator[None]:
-        """Run one step (or collective call) of this rank under the guard."""
+        """Run one step (or collective call, or a direct forward or backward's reduction) of this rank under the
+        guard. Re-entrant: inside a step (a forward run by the pipeline schedule) it adds nothing, not even a
+        store read."""
+        if self._in_step.is_set():
+            yield
+            return
         self.check()
         self._in_step.set()
         try:
@@ -145,7 +151,7 @@ class FailureGuard:
             return
 
 
-def _default_store():
+def default_store():
     """The default process group's store, or None where torch does not expose it."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store

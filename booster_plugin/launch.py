@@ -9,7 +9,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_device", "ensure_distributed", "alias", "agree_on_layout", "check_int"]
+__all__ = ["default_device", "ensure_distributed", "alias", "agree_on_layout", "check_int", "DEFAULT_TIMEOUT_S",
+           "ARRIVAL_TIMEOUT_S"]
+
+# how long a collective may wait for a rank before every rank fails (torch's default is 30 minutes for gloo: a
+# frozen rank would hold the job that long); torch's NCCL default
+DEFAULT_TIMEOUT_S = 600.0
+# how long a collective call of ours (checkpoints) waits for every rank to arrive: a call made on some ranks only
+# (`if rank == 0: booster.save_model(...)`) fails this fast, whatever the training timeout
+ARRIVAL_TIMEOUT_S = 60.0
 
 
 def default_device() -> torch.device:
@@ -22,9 +30,14 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def ensure_distributed(timeout: Optional[float] = None) -> None:
-    """Initialize torch.distributed from torchrun's environment unless the user already did (gloo/NCCL by device)."""
+def ensure_distributed(timeout: float = DEFAULT_TIMEOUT_S, explicit: bool = False) -> None:
+    """Initialize torch.distributed from torchrun's environment (gloo/NCCL by device) with `timeout` seconds per
+    collective. A process group the user initialized keeps its timeout unless `explicit` (the plugin's `timeout`
+    argument was given): then the world group takes it too."""
     if dist.is_initialized():
+        if explicit:
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+            _set_pg_timeout(timedelta(seconds=timeout))
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -34,13 +47,13 @@ def ensure_distributed(timeout: Optional[float] = None) -> None:
     if torch.accelerator.is_available():
         kind = torch.accelerator.current_accelerator().type
         backend = f"cpu:gloo,{kind}:{dist.Backend.default_device_backend_map.get(kind, 'gloo')}"
-    kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
+    kwargs = {"timeout": timedelta(seconds=timeout)}
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent keeps one store across restarts: keys of a previous attempt (the dead ranks' addresses)
         # would be read by the new one, so each attempt gets its own prefix
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               int(os.environ["WORLD_SIZE"]), is_master=False,
-                              timeout=timedelta(seconds=timeout or 1800))
+                              timeout=timedelta(seconds=timeout))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         kwargs.update(store=dist.PrefixStore(f"hybrid_parallel/attempt_{attempt}", store),
                       rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))

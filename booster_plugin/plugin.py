@@ -22,15 +22,20 @@ from shardformer.layer.deferred import prepare_split_backward
 from shardformer.sharder import ShardConfig, Sharder
 
 from .activation_checkpoint import GradientCheckpointConfig, apply_activation_checkpointing
-from .batch_check import BatchLimits, agree_on_batch, label_vocab_of, vocab_of
+from .batch_check import BatchLimits, DirectCallCheck, agree_on_batch, batch_agreed, label_vocab_of, vocab_of
 from .colossal_args import check_unacted_args
 from .lora import LoRAState, adapter_file_keys, materialize_adapters, split_peft_model
 from .failure import FailureGuard
-from .launch import agree_on_layout, alias, check_int, default_device, ensure_distributed
+from .launch import (ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, agree_on_layout, alias, check_int, default_device,
+                     ensure_distributed)
 from .microbatches import default_num_microbatches, token_weighted_scales, without_empty_microbatches
 from .mixed_precision import DynamicLossScaler, LossScalerConfig
 from .optimizer import HybridParallelOptimizer
+from .optimizer_guard import guard_parameters
 from .parallel_module import HybridParallelModule
+from .stage_calls import refuse_calls_outside_schedule
+from .usage_checks import (check_batch_content, check_criterion, check_step_arguments, refuse_boosted_twice,
+                           remember_boosted)
 from .v_schedule import fingerprint, schedule_from_nodes
 from .zero import ZeroOptimizer, check_zero_optimizer
 
@@ -73,16 +78,23 @@ class HybridParallelPlugin:
             reproducible) or "measured" (zbv and dualpipev re-plan their order for the compute times of their first
             training step with a number of microbatches, measured on every rank: pipeline/refine.py; faster, but the
             order, hence the rounding of gradient sums and the dropout draws, then depends on timings).
-        seed: dropout RNG seed (identical masks across tp for replicated activations).
+        seed: with tp_size > 1, the seed of the dropout RNG the model's forward runs under (identical masks across tp
+            for replicated activations; `seed + dp_rank` per replica). The script's global RNG is neither reseeded
+            nor advanced by it. With tp_size == 1 dropout draws from the global RNG, as in one process.
         trace: record a timeline of the schedule (also HP_TRACE=1).
         loss_weight_fn: `micro_batch -> number of loss items`, for a token-weighted loss.
-        timeout: seconds a collective may wait before every rank fails (process-group timeout; default torch's).
+        timeout: seconds a collective may wait before every rank fails (the process groups' timeout; default 600,
+            `launch.DEFAULT_TIMEOUT_S`; a world group the script initialized itself keeps its own unless given).
         on_nonfinite: inf/nan gradients at `optimizer.step()` (detected by one all-reduced flag): "skip" the step
             on every rank with a warning naming the step and stages (default), "raise" FloatingPointError on every
-            rank, or "ignore" (step anyway, as one process would). fp16's loss scaler always skips.
+            rank, or "ignore" (step anyway, as one process would). fp16: an overflow above `min_scale` is the loss
+            scaler's (skipped, the scale backs off); one at `min_scale` is non-finite: "skip" warns and raises after
+            MAX_SKIPS_AT_MIN_SCALE such steps in a row, "raise" raises at once, "ignore" skips silently.
         check_batches: agree on each step's batch over the world (one small all-gather), so a bad batch on any rank
-            (shapes differing within a replica, ids or labels outside the vocabulary, a batch that does not split)
-            raises the same error on every rank instead of hanging the others.
+            (shapes or contents differing within a replica, ids or labels outside the vocabulary, an attention mask
+            that does not match the ids, a batch that does not split) raises the same error on every rank instead of
+            hanging the others or training on different data; with tp_size > 1 and pp_size == 1, a call of the model
+            the script makes itself agrees the same way over the tp group.
     """
 
     def __init__(self, tp_size: int = 1, pp_size: int = 1, num_microbatches: Optional[int] = None,
@@ -155,7 +167,7 @@ class HybridParallelPlugin:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: use 'skip', 'raise' or 'ignore'.")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds.")
-        ensure_distributed(timeout)
+        ensure_distributed(timeout or DEFAULT_TIMEOUT_S, explicit=timeout is not None)
         agree_on_layout(tp_size=tp_size, pp_size=pp_size, num_microbatches=num_microbatches or 0,
                          microbatch_size=microbatch_size or 0, zero_stage=zero_stage,
                          precision=_SUPPORTED_PRECISIONS.index(precision), check_batches=int(check_batches),
@@ -175,13 +187,14 @@ class HybridParallelPlugin:
         self.zero_stage = zero_stage
         self.precision, self.max_norm, self.custom_policy = precision, max_norm, custom_policy
         self.parallel_output, self.make_vocab_size_divisible_by = parallel_output, make_vocab_size_divisible_by
-        self.seed, self.check_batches, self.timeout, self.on_nonfinite = seed, check_batches, timeout, on_nonfinite
+        self.seed, self.check_batches, self.on_nonfinite = seed, check_batches, on_nonfinite
+        self.timeout = float(timeout or DEFAULT_TIMEOUT_S)
         self.pp_style, self.num_model_chunks = pp_style, num_model_chunks
         self.bucket_bytes = int(ddp_bucket_cap_mb * 1024 * 1024)
         self.device = default_device()
 
         self.pg_mesh = ProcessGroupMesh(self.dp_size, pp_size, tp_size,
-                                        timeout=timedelta(seconds=timeout) if timeout else None)
+                                        timeout=timedelta(seconds=self.timeout))
         self.dp_group = self.pg_mesh.get_group_along_axis(DP_AXIS)
         self.tp_group = self.pg_mesh.get_group_along_axis(TP_AXIS)
         self._stage_manager = PipelineStageManager(self.pg_mesh, PP_AXIS, num_model_chunks=num_model_chunks,
@@ -225,11 +238,10 @@ class HybridParallelPlugin:
 
     # -- boosting ---------------------------------------------------------------------------------------
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
-        if isinstance(model, HybridParallelModule):
-            raise ValueError("This model is already boosted.")
         if optimizer is not None and self.zero_stage > 0:
             check_zero_optimizer(optimizer, self.zero_stage)
         model, peft_model = split_peft_model(model)  # a LoRA model: shard the transformers model inside it
+        refuse_boosted_twice(model)
         lora = None
         if peft_model is not None:
             materialize_adapters(peft_model)  # built on the meta device: peft's own init for the small adapters
@@ -246,7 +258,8 @@ class HybridParallelPlugin:
         if self.tp_size > 1:
             from shardformer.layer.dropout import TPRNGTracker
             rng_tracker = TPRNGTracker(self.device)
-            rng_tracker.sync(self.tp_group, self.seed + self.dp_rank)  # same masks across tp, not dp
+            # dropout masks the same across tp, not dp; drawn from the tracker, the script's global RNG is left alone
+            rng_tracker.sync(self.tp_group, self.seed + self.dp_rank)
         shard_config = ShardConfig(
             tensor_parallel_process_group=self.tp_group if self.tp_size > 1 else None,
             pipeline_stage_manager=self.stage_manager,
@@ -254,7 +267,10 @@ class HybridParallelPlugin:
             rng_tracker=rng_tracker, enable_sequence_parallelism=self.sp_mode is not None,
             sequence_parallelism_mode=self.sp_mode)
         sharder = Sharder(model, policy, shard_config)
+        if self.custom_policy is not None:  # a plan written by hand: an entry matching nothing is a typo
+            policy.check_plan()
         shared_names = sharder.shard()
+        remember_boosted(model)  # sharded in place: boosting this object again is refused
         if self.pp_style in V_STYLES:  # their backward is split into I and W (pipeline/split_backward.py)
             prepare_split_backward(model)
         per_stage = policy.layers_per_stage() if self.pp_size > 1 else [policy.num_layers()]
@@ -277,10 +293,16 @@ class HybridParallelPlugin:
         module = HybridParallelModule(model, sharder.stage_forward, self.dp_group if self.dp_size > 1 else None,
                                       self.tp_group if self.tp_size > 1 else None,
                                       self.pp_group if self.pp_size > 1 else None, shared, self.zero_stage,
-                                      bucket_bytes=self.bucket_bytes)
+                                      bucket_bytes=self.bucket_bytes, failure_guard=self.failure_guard)
         module.policy, module.full_params, module.batch_limits = policy, full_params, batch_limits
         module.lora = lora
         module.sync_params()
+        if self.pp_size > 1:  # a stage alone cannot run the model: only the schedule may call it
+            refuse_calls_outside_schedule((module, model), self._stage_manager)
+        if self.check_batches and self.tp_size > 1 and self.pp_size == 1:  # `model(**batch)` agrees over tp first
+            module.register_forward_pre_hook(DirectCallCheck(batch_limits, self.dp_rank, self.tp_group, self.device),
+                                             with_kwargs=True)
+        guard_parameters(module)  # an optimizer that skips boost is refused at its step
         if optimizer is not None:
             _rebind_optimizer(optimizer, param_names, params)
             wrapper = ZeroOptimizer if self.zero_stage > 0 else HybridParallelOptimizer
@@ -293,7 +315,11 @@ class HybridParallelPlugin:
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,
                          optimizer: Optional[HybridParallelOptimizer] = None, return_loss: bool = True,
                          return_outputs: bool = False) -> Dict[str, Any]:
-        """One step over microbatches (see Booster.execute_pipeline)."""
+        """One step over microbatches (see Booster.execute_pipeline): forwards and backwards, or forwards only under
+        torch.no_grad() or with the model in eval mode and no optimizer (evaluation)."""
+        check_step_arguments(model, criterion, optimizer)  # every rank alike, before anything runs
+        trains = torch.is_grad_enabled() and (optimizer is not None or model.unwrap().training)
+        check_criterion(criterion, trains)
         if self.schedule is None:
             raise ValueError("execute_pipeline needs num_microbatches or microbatch_size in HybridParallelPlugin.")
         self.failure_guard.check()
@@ -303,38 +329,59 @@ class HybridParallelPlugin:
             raise ValueError("execute_pipeline got an exhausted data iterator: pass a fresh iter(dataloader) or stop "
                              "the loop when the dataloader ends.") from None
         if self.check_batches:  # one small all-gather: a bad batch anywhere raises the same error everywhere
-            agree_on_batch(batch, model.batch_limits, self._num_microbatches, self.dp_rank, self.device)
+            agree_on_batch(batch, model.batch_limits, lambda b: self._num_microbatches(b, model.batch_limits),
+                           self.dp_rank, self.device)
+        else:
+            check_batch_content(batch, model.batch_limits)
         if self.auto_microbatches:
             self.schedule.num_microbatches = default_num_microbatches(batch, self.pp_size, self.pp_style)
         if self.loss_weight_fn is not None and criterion is not None:
             criterion = without_empty_microbatches(criterion, self.loss_weight_fn)
-        with self.failure_guard.step("execute_pipeline"):  # a failure from here on ends the step on every rank
+        if trains and model.grads_synced:  # every rank alike: they ran the same calls
+            raise RuntimeError("This step's gradients were already reduced by an earlier execute_pipeline: call "
+                               "optimizer.step()/zero_grad() first, or run all but the last accumulation step inside "
+                               "`with booster.no_sync(model):`.")
+        # a failure ends the step on every rank; evaluation runs forwards only, as under torch.no_grad()
+        with self.failure_guard.step("execute_pipeline"), batch_agreed(), torch.set_grad_enabled(trains):
             result = self.schedule.forward_backward_step(model, iter([batch]), criterion, optimizer, return_loss,
                                                          return_outputs)
+            if trains and model.require_grad_sync:  # `p.grad` final on return, as in one process
+                model.sync_grads()
             if result["outputs"] is not None:
                 result["outputs"] = model.full_outputs(result["outputs"], result["loss"])
         return result
 
     def arrive(self, call: str) -> None:
         """Start of a collective call (checkpoints): a monitored barrier over the world, so that a call made on some
-        ranks only (e.g. under `if rank == 0:`) fails within the timeout naming the missing ranks, instead of
-        hanging in the call's first collective. Backends without monitored barriers (NCCL alone) skip it."""
+        ranks only (e.g. under `if rank == 0:`) fails within ARRIVAL_TIMEOUT_S (or the timeout, if shorter) naming
+        the missing ranks, on the ranks that arrived, and is published to the others (their next step raises
+        RankFailure; one blocked in a step exits). Backends without monitored barriers (NCCL alone) skip it."""
         self.failure_guard.check()
-        try:
-            dist.monitored_barrier(timeout=timedelta(seconds=self.timeout or 1800), wait_all_ranks=True)
-        except NotImplementedError:
-            return
-        except RuntimeError as error:
-            raise RuntimeError(f"{call} is collective: every rank must call it (not only under `if rank == 0:`), "
-                               f"but some ranks did not reach it within the timeout ({error}).") from None
+        window = min(self.timeout, ARRIVAL_TIMEOUT_S)
+        with self.failure_guard.step(call):
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=window), wait_all_ranks=True)
+            except NotImplementedError:
+                return
+            except RuntimeError as error:
+                raise RuntimeError(f"{call} is collective: every rank must call it (not only under `if rank == 0:`), "
+                                   f"but some ranks did not reach it within {window:.0f} s of the first ({error})."
+                                   ) from None
 
-    def _num_microbatches(self, batch: Any) -> int:
-        """How this step splits `batch` (raises as the schedule would on a batch that does not split)."""
-        if self.auto_microbatches:
-            m, size = default_num_microbatches(batch, self.pp_size, self.pp_style), None
-        else:
-            m, size = self.schedule.num_microbatches, self.schedule.microbatch_size
-        m = len(split_batch(batch, m, size))
+    def _num_microbatches(self, batch: Any, limits: BatchLimits) -> int:
+        """How this step splits `batch` (raises as the schedule would on a batch that does not split, or on an empty
+        batch or labels the model cannot take)."""
+        check_batch_content(batch, limits)
+        try:
+            if self.auto_microbatches:
+                m, size = default_num_microbatches(batch, self.pp_size, self.pp_style), None
+            else:
+                m, size = self.schedule.num_microbatches, self.schedule.microbatch_size
+            m = len(split_batch(batch, m, size))
+        except ValueError as error:  # e.g. the short last batch of an epoch
+            raise ValueError(f"{error} If this is the last batch of an epoch (a dataset size that is not a multiple "
+                             f"of the batch size), drop it: prepare_dataloader(..., drop_last=True), the default "
+                             f"with microbatches, or DataLoader(drop_last=True).") from None
         if self.pp_size > 1:
             self.schedule.plan(m)  # e.g. m < p: the schedule's error (the plan is kept for the step)
         return m
@@ -349,9 +396,15 @@ class HybridParallelPlugin:
         return tracer.gather_and_write(out_dir)
 
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,
-                           drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0,
+                           drop_last: Optional[bool] = None, pin_memory: bool = False, num_workers: int = 0,
                            **kwargs: Any) -> DataLoader:
-        """A DataLoader over this rank's data-parallel shard: pp and tp ranks of one replica see the same batches."""
+        """A DataLoader over this rank's data-parallel shard: pp and tp ranks of one replica see the same batches.
+
+        `drop_last` (sampler and loader): None (default) drops the short last batch of an epoch where steps split
+        their batch into microbatches (pp_size > 1, num_microbatches or microbatch_size), since it would not
+        split, and keeps it otherwise (ColossalAI's default is False); give False to keep every sample."""
+        if drop_last is None:
+            drop_last = self.schedule is not None
         sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle,
                                      seed=seed, drop_last=drop_last)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,

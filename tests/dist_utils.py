@@ -40,7 +40,7 @@ def _end_task() -> bool:
     group keeps threads and connections); True if a rank failure was published."""
     from torch.distributed.distributed_c10d import _world
 
-    from booster_plugin.failure import _KEY, FailureGuard, _default_store
+    from booster_plugin.failure import _KEY, FailureGuard, default_store
     if FailureGuard._shared is not None:
         FailureGuard._shared.close()
         FailureGuard._shared = None
@@ -48,7 +48,7 @@ def _end_task() -> bool:
         if group is not dist.GroupMember.WORLD:
             dist.destroy_process_group(group)
     gc.collect()
-    store = _default_store()
+    store = default_store()
     return bool(store is not None and store.check([_KEY]))
 
 

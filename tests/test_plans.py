@@ -85,6 +85,21 @@ def test_checker_cli_names_the_wrong_gradient(capsys):
         capsys.readouterr().out
 
 
+def test_checker_cli_tells_a_launch_failure_from_a_mismatch(capsys, monkeypatch):
+    """A rank that crashed, hung or never started (e.g. its port was taken) is exit status 4 and ERROR, not FAIL
+    (1, a real mismatch)."""
+    import shardformer.check.cli as cli
+    monkeypatch.setattr(cli, "spawn", lambda *a, **k: [(0, "error", "RuntimeError: The server socket has failed to "
+                                                                      "listen on any local network address")])
+    assert check_main(["Qwen3ForCausalLM", "--tp", "2", "--pp", "1"]) == 4
+    out = capsys.readouterr().out
+    assert out.startswith("ERROR Qwen3ForCausalLM tp=2 pp=1: the check could not run (rank 0: RuntimeError: The "
+                          "server socket"), out
+    monkeypatch.setattr(cli, "spawn", lambda *a, **k: [])
+    assert check_main(["Qwen3ForCausalLM", "--tp", "2", "--pp", "1"]) == 4
+    assert "rank(s) [0, 1] crashed, hung or did not start" in capsys.readouterr().out
+
+
 def test_refusals_name_module_and_style():
     """A plan that cannot be honoured exactly is refused before any collective, naming module and style."""
     model = mu.MODELS["qwen3_lm"]()

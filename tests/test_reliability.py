@@ -375,6 +375,32 @@ def test_collective_call_on_one_rank_fails_within_timeout(tmp_path):
     run_distributed(2, _collective_on_one_rank, str(tmp_path), timeout=120, fresh=True)
 
 
+def _collective_on_one_rank_default_timeout(tmp_dir: str):
+    """With the default timeout (600 s, not torch's 30 minutes) the call still fails within the arrival window
+    (ARRIVAL_TIMEOUT_S, 60 s; 2 s here), and the rank that never called it learns why at its next step."""
+    from booster_plugin import plugin as plugin_module
+    from booster_plugin.failure import RankFailure
+
+    plugin_module.ARRIVAL_TIMEOUT_S = 2.0
+    plugin = HybridParallelPlugin(tp_size=2, num_microbatches=2)
+    assert plugin.timeout == 600.0
+    booster = Booster(plugin=plugin)
+    model, *_ = booster.boost(mu.build("gpt2_lm"))
+    start = time.monotonic()
+    if dist.get_rank() == 0:
+        with pytest.raises(RuntimeError, match="save_model is collective.*within 2 s of the first"):
+            booster.save_model(model, f"{tmp_dir}/model")
+        assert time.monotonic() - start < 30
+    else:
+        time.sleep(8)  # busy elsewhere, never calls save_model (rank 0 fails at ~2 s, publishes at ~4 s)
+        with pytest.raises(RankFailure, match="rank 0 failed in save_model"):
+            booster.execute_pipeline(iter([mu.make_batch("gpt2_lm", 4, 0)]), model, mu.criterion)
+
+
+def test_collective_call_on_one_rank_fails_fast_by_default(tmp_path):
+    run_distributed(2, _collective_on_one_rank_default_timeout, str(tmp_path), timeout=120, fresh=True)
+
+
 FAILING_STEP = """
 import time, torch, torch.distributed as dist
 from booster_plugin import Booster, HybridParallelPlugin
@@ -403,10 +429,8 @@ print(f"returned after {time.monotonic() - started:.1f} s", flush=True)
 """
 
 
-def test_failure_on_one_stage_ends_the_step_on_every_rank(tmp_path):
-    """The criterion raises on the last stage (rank 1) while stage 0 waits for its gradients: rank 0 exits within
-    seconds naming rank 1's error (instead of waiting for gloo's 30-minute timeout), rank 1 raises its own error and
-    refuses the next step."""
+def _run_two_ranks(tmp_path, source: str):
+    """Run `source` as a script on 2 ranks (fresh interpreters): [(returncode, stdout, stderr)] per rank."""
     import subprocess
     import sys
     from pathlib import Path
@@ -415,16 +439,23 @@ def test_failure_on_one_stage_ends_the_step_on_every_rank(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     script = tmp_path / "fail.py"
-    script.write_text(FAILING_STEP)
+    script.write_text(source)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     procs = [subprocess.Popen([sys.executable, str(script)], cwd=root, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
-    (out0, err0), (out1, err1) = outs
-    assert procs[0].returncode == 1, (out0, err0[-2000:])
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def test_failure_on_one_stage_ends_the_step_on_every_rank(tmp_path):
+    """The criterion raises on the last stage (rank 1) while stage 0 waits for its gradients: rank 0 exits within
+    seconds naming rank 1's error (instead of waiting for gloo's 30-minute timeout), rank 1 raises its own error and
+    refuses the next step."""
+    (code0, out0, err0), (code1, out1, err1) = _run_two_ranks(tmp_path, FAILING_STEP)
+    assert code0 == 1, (out0, err0[-2000:])
     # blocked in a receive: the watchdog ends it; or its receive failed when rank 1 exited: RankFailure names rank 1
     assert re.search(r"(stopping: |RankFailure: The job cannot continue: )rank 1 failed in execute_pipeline: "
                      r"ValueError: criterion boom", err0), err0[-2000:]
-    assert procs[1].returncode == 0, (out1, err1[-2000:])
+    assert code1 == 0, (out1, err1[-2000:])
     assert "caught criterion boom" in out1 and "refused: The job cannot continue: rank 1 failed" in out1, out1

@@ -7,22 +7,17 @@ delete `.<name>.old`. Crash windows: before the first rename the old checkpoint 
 complete and a left-over `.old` is deleted by the next save.
 Single file: `.<name>.partial` is written, fsynced and `os.replace`d onto `<name>` (atomic on POSIX).
 
-Writers other than rank 0 report completion with a marker file in the temporary directory, so rank 0 can finish
-a save (index, swap) without a collective, also in a background thread (`use_async=True`).
+Writers other than rank 0 report completion to rank 0 through the rendezvous store (checkpoint/jobs.py), so rank 0
+can finish a save (index, swap) without a collective, also in a background thread (`use_async=True`).
 """
 from __future__ import annotations
 
 import os
 import shutil
-import time
 import warnings
-from typing import Dict, Iterable, Optional, Tuple
-
-from .format import read_json, write_json
+from typing import Tuple
 
 PARTIAL_SUFFIX, BACKUP_SUFFIX = ".partial", ".old"
-_MARKER = ".done-rank{}.json"
-MARKER_TIMEOUT_S = 1800.0  # as gloo's default collective timeout
 
 
 def siblings(path: str) -> Tuple[str, str, str]:
@@ -112,29 +107,3 @@ def resolve_dir(path: str) -> str:
     raise FileNotFoundError(f"checkpoint {full} does not exist")
 
 
-def report_done(tmp: str, rank: int, error: Optional[str]) -> None:
-    """A writer other than rank 0: its files in `tmp` are complete (or failed with `error`)."""
-    marker = os.path.join(tmp, _MARKER.format(rank))
-    write_json(marker + PARTIAL_SUFFIX, {"error": error})
-    os.replace(marker + PARTIAL_SUFFIX, marker)
-
-
-def wait_done(tmp: str, ranks: Iterable[int], timeout_s: float = MARKER_TIMEOUT_S) -> Dict[int, str]:
-    """Rank 0: wait for every writer's marker, remove the markers; {rank: error} of those that failed."""
-    pending, errors = set(ranks), {}
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        for rank in sorted(pending):
-            marker = os.path.join(tmp, _MARKER.format(rank))
-            if os.path.exists(marker):
-                error = read_json(marker, "marker").get("error")
-                if error:
-                    errors[rank] = error
-                os.remove(marker)
-                pending.discard(rank)
-        if pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank(s) {sorted(pending)} did not finish writing their files within "
-                                   f"{timeout_s:.0f} s")
-            time.sleep(0.005)
-    return errors

@@ -66,6 +66,7 @@ class HybridParallelCheckpointIO:
         self.synchronize()
 
     def finish(self, job: jobs.SaveJob, use_async: bool) -> None:
+        job.timeout_s = self.plugin.timeout  # rank 0 waits that long for the other writers
         jobs.finish(job, use_async, self.device)
 
     def _guarded_read(self, read: Callable, *args) -> Tuple[Any, Optional[str]]:
@@ -134,6 +135,9 @@ class HybridParallelCheckpointIO:
             loaded, error = self._guarded_read(optim_ckpt.read_optimizer, parts, os.fspath(checkpoint), prefix,
                                                strict, verify_checksums, num_threads)
             self.agree(error, f"load_optimizer({checkpoint!r})")
+            # each stage matched its own parameters' groups: the stages must match the same way
+            self.agree(optim_ckpt.agree_on_groups(parts, loaded, self.plugin.stage, self.device),
+                       f"load_optimizer({checkpoint!r})")
             optim_ckpt.apply_optimizer(parts.optim, loaded)
             if optimizer.scaler is not None and loaded.loss_scaler is not None:  # fp16: the loss scale comes back
                 optimizer.scaler.load_state_dict(loaded.loss_scaler)

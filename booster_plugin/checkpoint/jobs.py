@@ -1,7 +1,9 @@
 """Agreement on errors across ranks, and save jobs that finish now or in a background thread.
 
 A save has a collective phase (plan, tp gathers, pp sends: always in the caller's thread) and a local phase: each
-writer writes its files, reports to rank 0 through a marker file, and rank 0 commits (index, config, swap). The
+writer writes its files, reports to rank 0 through the rendezvous store (a key per save and writer: no disk needed,
+so a full disk is reported too), and rank 0 commits (index, config, swap) or, if a writer does not report within
+the plugin's timeout, fails the save naming it. The
 local phase runs inline, or with `use_async=True` in a thread on snapshots of the tensors; `synchronize()` (and
 every later checkpoint call, through any Booster) joins the threads and agrees on their errors. A background save
 that failed and was never synchronized is reported on stderr when the process exits (no collective is possible
@@ -10,17 +12,21 @@ then): the error is never lost.
 from __future__ import annotations
 
 import atexit
+import itertools
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..failure import default_store
 from . import atomic
 
 _MESSAGE_BYTES = 2048
+_SAVE_NUMBERS = itertools.count()  # every rank makes the same checkpoint calls: the same number for the same save
 
 
 class CheckpointError(RuntimeError):
@@ -62,7 +68,9 @@ class SaveJob:
     write: Callable[[], None]       # this rank's file writes (no collectives); a no-op if it has none
     commit: Callable[[], None]      # rank 0 only: index / config, then the swap
     error: Optional[str] = None     # set by the collective phase, then by the local phase
+    timeout_s: float = 600.0        # how long rank 0 waits for the writers' reports
     rank: int = field(default_factory=dist.get_rank)  # taken at the call: the group may be gone at exit
+    key: str = field(default_factory=lambda: f"hybrid_parallel/save/{next(_SAVE_NUMBERS)}")
     thread: Optional[threading.Thread] = field(default=None, repr=False)
 
     def run(self) -> None:
@@ -74,13 +82,13 @@ class SaveJob:
                 self.error = describe(exc)
         if rank in self.writers:
             try:
-                atomic.report_done(self.tmp, rank, self.error)
+                default_store().set(f"{self.key}/{rank}", "error:" + self.error if self.error else "ok")
             except Exception as exc:
                 self.error = self.error or describe(exc)
         if rank != 0:
             return
         try:
-            failed = atomic.wait_done(self.tmp, self.writers)
+            failed = _wait_reports(self.key, self.writers, self.timeout_s)
             if failed and self.error is None:
                 self.error = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
             if self.error is None:
@@ -89,6 +97,27 @@ class SaveJob:
             self.error = self.error or describe(exc)
         if self.error is not None:
             atomic.discard(self.tmp)  # the previous checkpoint is untouched
+
+
+def _wait_reports(key: str, writers: FrozenSet[int], timeout_s: float) -> Dict[int, str]:
+    """Rank 0: wait for every writer's report of the save `key` (polling: a blocking store wait would hold the
+    store's connection, which the failure watchdog shares); {rank: error} of those that failed."""
+    store, pending, errors = default_store(), set(writers), {}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for rank in sorted(pending):
+            if store.check([f"{key}/{rank}"]):
+                report = store.get(f"{key}/{rank}").decode(errors="replace")
+                store.delete_key(f"{key}/{rank}")
+                if report != "ok":
+                    errors[rank] = report[len("error:"):]
+                pending.discard(rank)
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"rank(s) {sorted(pending)} did not finish writing their files within {timeout_s:.0f} s "
+                               f"(the plugin's timeout)")
+        if pending:
+            time.sleep(0.02)
+    return errors
 
 
 # background saves of this process, of every Booster / CheckpointIO: a load of a path saved asynchronously through

@@ -3,7 +3,8 @@
 Builds the model (a tiny config of the class with random weights, or the config in a directory) on tp * pp CPU
 processes, trains one step sharded and unsharded, and reports whether loss, gradients and parameters after AdamW
 match; on a mismatch it names the first parameter (Hugging Face name) that differs. Exit status: 0 pass, 1 fail,
-2 refused (the reason is printed), 3 the unsharded model itself fails."""
+2 refused (the reason is printed), 3 the unsharded model itself fails, 4 the check could not run (a rank crashed,
+hung or could not start, e.g. a port taken: nothing was compared; run it again)."""
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     reports = spawn(args.tp * args.pp, _run, args.model, args.tp, args.pp, args.policy, timeout_s=args.timeout)
     errors = [r for r in reports if r[1] == "error"]
-    if errors or len(reports) < args.tp * args.pp:
-        print(f"FAIL {args.model} tp={args.tp} pp={args.pp}: a rank crashed or hung: "
-              f"{errors[0][2] if errors else 'no report'}")
-        return 1
+    if errors or len(reports) < args.tp * args.pp:  # not a mismatch: nothing was compared
+        missing = sorted(set(range(args.tp * args.pp)) - {r[0] for r in reports})
+        why = f"rank {errors[0][0]}: {errors[0][2]}" if errors else f"rank(s) {missing} crashed, hung or did not start"
+        print(f"ERROR {args.model} tp={args.tp} pp={args.pp}: the check could not run ({why}); nothing was "
+              f"compared (exit status 4)")
+        return 4
     result, detail, _ = reports[0][2]
     print(f"{result.upper()} {args.model} tp={args.tp} pp={args.pp}" + (f": {detail}" if detail else ""))
     return {"pass": 0, "fail": 1, "refused": 2, "untested": 3}[result]

@@ -151,7 +151,7 @@ def classify(rec, plugin) -> str:
         sending = op in ("isend", "send")
         forward = (peer_stage > sm.stage) == sending
         return "PP: activations" if forward else "PP: activation grads"
-    if "schedule.py" in site and op == "broadcast":
+    if "runtime.py" in site and op == "broadcast":
         return "PP: loss broadcast to every stage"
     if "parallel_module.py" in site and ("sync_grads" in site or " launch" in site):  # launch: during backward
         if rec.get("group_obj") is plugin.dp_group and plugin.dp_size > 1:

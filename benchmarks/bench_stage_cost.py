@@ -21,6 +21,7 @@ import torch
 
 from bench_pipeline import Chunk, shifted_ce
 from booster_plugin import Booster, HybridParallelPlugin
+from booster_plugin.stage_calls import chunk_calls, running_step
 
 NAME = "bench_stage_cost"
 PER = C.LAYERS // 4  # layers per chunk
@@ -51,18 +52,16 @@ def main() -> None:
     hidden = torch.randn(C.BATCH // 4, C.SEQ, C.HIDDEN)
     grad = torch.randn_like(hidden)
     torch_model = copy.deepcopy(reference)
+    calls = chunk_calls(model, sm.num_model_chunks)
     rows, per_rank = [], {}
     for chunk_id, stage in enumerate(sm.layout.stages_of(sm.stage)):
         chunk = Chunk(torch_model, stage * PER, (stage + 1) * PER)
         first, last = stage == 0, stage == sm.layout.num_stages - 1
 
         def ours():
-            sm.model_chunk_id = chunk_id
-            try:
+            with running_step(sm):  # the calls the schedule makes
                 received = {} if first else {"hidden_states": hidden.clone().requires_grad_()}
-                out = model(**mb, **received)
-            finally:
-                sm.model_chunk_id = None
+                out = calls[chunk_id](**mb, **received)
             return (C.hf_criterion(out, mb), None) if last else (out["hidden_states"], grad)
 
         def theirs():

@@ -25,7 +25,7 @@ from typing import Dict, List, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shardformer.check.launch import spawn  # noqa: E402
+from hp_check.launch import spawn  # noqa: E402
 
 MOE_STYLES = ("moe_tp_experts", "moe_identity_expert")
 MOE_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -80,8 +80,8 @@ def _run_families(todo: List[Family], path: str) -> None:
     import torch.distributed as dist
     import transformers
 
-    from shardformer.check.compare import compare
-    from shardformer.check.tiny import tiny_config
+    from hp_check.compare import compare
+    from hp_check.tiny import tiny_config
 
     for family in todo:
         if dist.get_rank() == 0:
@@ -164,7 +164,7 @@ def write_table(todo: List[Family], results: Dict[str, Dict], out: str, note: st
         "# Coverage of plan-derived policies",
         "",
         "Every model family of the installed transformers whose config declares `base_model_tp_plan` or "
-        "`base_model_pp_plan`, built from a tiny config (`shardformer/check/tiny.py`: hidden 32, 4 layers, 4 heads, "
+        "`base_model_pp_plan`, built from a tiny config (`hp_check/tiny.py`: hidden 32, 4 layers, 4 heads, "
         "2 kv heads, head_dim 8, vocab 100, sliding window 4, the family's layer kinds in turn, small sub-configs and "
         "expert sizes; random weights) and trained one step with (tp, pp) = (2, 2) on 4 CPU processes against the "
         "unsharded model: loss, every gradient and every parameter after AdamW (lr 1e-3, eps 1e-6) at 1e-5, fp32.",

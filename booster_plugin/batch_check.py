@@ -157,7 +157,13 @@ def agree_on_batch(batch: Any, limits: BatchLimits, split: Callable[[Any], int],
            len(d.shapes), *d.digests]
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, mine, group=group)
+    try:
+        dist.all_gather(rows, mine, group=group)
+    except RuntimeError as error:  # a peer left (its script ended) or is in another collective
+        raise RuntimeError(f"The per-step batch agreement failed: another rank has left the job or is not taking this "
+                           f"step ({error}). Every rank must run the same number of steps: give every data-parallel "
+                           f"replica the same number of batches (plugin.prepare_dataloader, or a DistributedSampler "
+                           f"over dp with drop_last=True), and call execute_pipeline on every rank.") from error
     rows = [r.tolist() for r in rows]
     if d.error is not None:  # this rank's own reason is the most specific one (after the all-gather: no hang)
         raise d.error

@@ -8,8 +8,9 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import torch
 from torch import nn
 
-from .checkpoint import HybridParallelCheckpointIO
+from .checkpoint import CheckpointContext, HybridParallelCheckpointIO
 from .lora import enable_lora
+from .parallel_module import HybridParallelModule
 from .plugin import HybridParallelPlugin
 
 
@@ -72,6 +73,9 @@ class Booster:
             lora_config: a `peft.LoraConfig` for new adapters (`peft.get_peft_model(model, lora_config)`).
             bnb_quantization_config, quantize: quantized LoRA (bitsandbytes) is not supported: refused.
         """
+        if isinstance(model, HybridParallelModule):
+            raise ValueError("enable_lora must be called before booster.boost: the model is already boosted (sharded). "
+                             "Call model = booster.enable_lora(model, lora_config=...) first, then boost the result.")
         return enable_lora(model, pretrained_dir, lora_config, bnb_quantization_config, quantize)
 
     def save_lora_as_pretrained(self, model: nn.Module, checkpoint: str, use_safetensors: bool = False) -> None:
@@ -112,7 +116,7 @@ class Booster:
     @property
     def checkpoint_io(self) -> HybridParallelCheckpointIO:
         if getattr(self, "_checkpoint_io", None) is None:
-            self._checkpoint_io = HybridParallelCheckpointIO(self.plugin)
+            self._checkpoint_io = HybridParallelCheckpointIO(CheckpointContext.from_plugin(self.plugin))
         return self._checkpoint_io
 
     def save_model(self, model: nn.Module, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_device", "ensure_distributed", "alias", "agree_on_layout", "check_int", "DEFAULT_TIMEOUT_S",
-           "ARRIVAL_TIMEOUT_S"]
+__all__ = ["default_device", "ensure_distributed", "alias", "agree_on_layout", "agree_on_values", "check_int",
+           "DEFAULT_TIMEOUT_S", "ARRIVAL_TIMEOUT_S"]
 
 # how long a collective may wait for a rank before every rank fails (torch's default is 30 minutes for gloo: a
 # frozen rank would hold the job that long); torch's NCCL default
@@ -72,16 +72,22 @@ def alias(alias: str, alias_value: Optional[int], name: str, value: int) -> int:
 def agree_on_layout(**settings: int) -> None:
     """One all-gather over the world: ranks created with different settings (e.g. tp_size) would create different
     process groups and hang; every rank raises the same error naming the differing setting instead."""
-    mine = torch.tensor(list(settings.values()), dtype=torch.int64)
+    agree_on_values("HybridParallelPlugin was created with different settings on different ranks",
+                    "every rank must pass the same arguments", settings)
+
+
+def agree_on_values(what: str, fix: str, values: Dict[str, int]) -> None:
+    """Collective over the world (one all-gather of the integers): raise the same ValueError on every rank,
+    `{what} ({name: rank 0 has a, rank r has b}); {fix}.`, if any value differs between ranks."""
+    mine = torch.tensor(list(values.values()), dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
     for rank, row in enumerate(rows):
-        differ = [name for name, a, b in zip(settings, row.tolist(), rows[0].tolist()) if a != b]
+        differ = [name for name, a, b in zip(values, row.tolist(), rows[0].tolist()) if a != b]
         if differ:
-            shown = ", ".join(f"{n}: rank 0 has {rows[0][list(settings).index(n)].item()}, rank {rank} has "
-                              f"{row[list(settings).index(n)].item()}" for n in differ)
-            raise ValueError(f"HybridParallelPlugin was created with different settings on different ranks ({shown}); "
-                             f"every rank must pass the same arguments.")
+            shown = ", ".join(f"{n}: rank 0 has {rows[0][list(values).index(n)].item()}, rank {rank} has "
+                              f"{row[list(values).index(n)].item()}" for n in differ)
+            raise ValueError(f"{what} ({shown}); {fix}.")
 
 
 def check_int(name: str, value: Any, minimum: int) -> None:

@@ -34,12 +34,8 @@ def _peft():
 
 def enable_lora(model: nn.Module, pretrained_dir: Optional[str] = None, lora_config=None,
                 bnb_quantization_config=None, quantize: bool = False):
-    """The peft model with LoRA adapters on `model` (see Booster.enable_lora); refuses what boost cannot train."""
-    from .parallel_module import HybridParallelModule
-
-    if isinstance(model, HybridParallelModule):
-        raise ValueError("enable_lora must be called before booster.boost: the model is already boosted (sharded). "
-                         "Call model = booster.enable_lora(model, lora_config=...) first, then boost the result.")
+    """The peft model with LoRA adapters on `model` (the transformers model, not yet boosted: Booster.enable_lora
+    refuses a boosted one); refuses what boost cannot train."""
     peft = _peft()
     if isinstance(model, peft.PeftModel):
         raise ValueError("enable_lora got a model that already has peft adapters; pass the transformers model (add "

@@ -1,34 +1,77 @@
-"""How a pipeline step splits and weighs its microbatches: the default number of microbatches, and the
+"""How a pipeline step splits and weighs its microbatches: the batch split along dim 0 (into a configured number,
+of a configured size, or by default the number the schedule style suits best for the batch size), and the
 token-weighted loss (`loss_weight_fn`): each microbatch's loss scaled by its share of the global batch's loss items,
 and a microbatch without any weighing 0."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from pipeline.schedules import min_microbatches
+from pipeline.step import LossWeights
+from pipeline.styles import ScheduleStyle
 
-__all__ = ["default_num_microbatches", "token_weighted_scales", "without_empty_microbatches"]
+__all__ = ["MicrobatchSplit", "default_num_microbatches", "split_batch", "token_weighted_scales",
+           "without_empty_microbatches"]
 
 
-def default_num_microbatches(batch: Any, pp_size: int, pp_style: str = "1f1b") -> int:
+def split_batch(batch: Mapping[str, Any], num_microbatches: Optional[int], microbatch_size: Optional[int]
+                ) -> List[Dict[str, Any]]:
+    """Split every tensor of a batch dict along dim 0; non-tensor values are given to every microbatch."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"A pipeline batch must be a dict of tensors (e.g. input_ids, attention_mask, labels), "
+                        f"got {type(batch).__name__}.")
+    sizes = {k: v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if not sizes:
+        raise ValueError("The batch has no tensor to split into microbatches.")
+    batch_size = next(iter(sizes.values()))
+    if any(s != batch_size for s in sizes.values()):
+        raise ValueError(f"All tensors of a batch must share dim 0 (the batch size); got {sizes}.")
+    if num_microbatches is None:
+        if batch_size % microbatch_size:
+            raise ValueError(f"Batch size {batch_size} is not divisible by microbatch_size={microbatch_size}.")
+        num_microbatches = batch_size // microbatch_size
+    if batch_size % num_microbatches:
+        raise ValueError(f"Batch size {batch_size} is not divisible into num_microbatches={num_microbatches}; "
+                         f"use a batch size that is a multiple of {num_microbatches}.")
+    size = batch_size // num_microbatches
+    return [{k: v[i * size:(i + 1) * size] if k in sizes else v for k, v in batch.items()}
+            for i in range(num_microbatches)]
+
+
+def default_num_microbatches(batch: Any, pp_size: int, style: ScheduleStyle) -> int:
     """Microbatches of a step when none were configured: the largest divisor of the batch size in [pp, 4 * pp]
     (1F1B needs at least pp; more shrinks the bubble (p-1)/(m+p-1), at the cost of smaller microbatches); a
     multiple of pp for the interleaved schedule, at least 2 * pp for dualpipev."""
-    multiple_of_pp, least = pp_style == "interleaved", min_microbatches(pp_style, pp_size)
+    least = style.min_microbatches(pp_size)
     sizes = [v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0] \
         if isinstance(batch, Mapping) else []
     if not sizes:
         return pp_size  # split_batch explains what is wrong with the batch
     size = sizes[0]
     for m in range(min(size, 4 * pp_size), least - 1, -1):
-        if size % m == 0 and not (multiple_of_pp and m % pp_size):
+        if size % m == 0 and not (style.microbatches_multiple_of_ranks and m % pp_size):
             return m
     raise ValueError(f"A batch of {size} samples cannot be split into {least} to {4 * pp_size} equal microbatches "
-                     f"for pp_size={pp_size}, pp_style={pp_style!r}: use a batch size with such a divisor (e.g. "
+                     f"for pp_size={pp_size}, pp_style={style.name!r}: use a batch size with such a divisor (e.g. "
                      f"{2 * least}) or set num_microbatches / microbatch_size.")
+
+
+class MicrobatchSplit(NamedTuple):
+    """The plugin's microbatch setting: `num_microbatches`, or `microbatch_size` samples each, or (neither) each
+    batch's `default_num_microbatches` for `style` on `pp_size` pipeline ranks."""
+    num_microbatches: Optional[int]
+    microbatch_size: Optional[int]
+    style: ScheduleStyle
+    pp_size: int
+
+    def split(self, batch: Any) -> List[Dict[str, Any]]:
+        """The microbatches of `batch` (raises TypeError or ValueError on a batch that does not split)."""
+        count = self.num_microbatches
+        if count is None and self.microbatch_size is None:
+            count = default_num_microbatches(batch, self.pp_size, self.style)
+        return split_batch(batch, count, self.microbatch_size)
 
 
 def without_empty_microbatches(criterion: Callable, count: Callable[[Dict[str, Any]], Any]) -> Callable:
@@ -43,13 +86,13 @@ def without_empty_microbatches(criterion: Callable, count: Callable[[Dict[str, A
 
 
 def token_weighted_scales(count: Callable[[Dict[str, Any]], Any], dp_group: Optional[dist.ProcessGroup],
-                          device: torch.device) -> Callable:
-    """The schedule's `loss_scales_fn`: weigh each microbatch's (mean) loss by its share of the loss items (e.g. label
+                          device: torch.device) -> Callable[[List[Dict[str, Any]]], LossWeights]:
+    """The step's loss weights: weigh each microbatch's (mean) loss by its share of the loss items (e.g. label
     tokens) of the whole global batch, so that the step equals one process on the global batch even with padding.
-    `dp_group`: the data-parallel replicas (None: one replica)."""
+    `dp_group`: the data-parallel replicas (None: one replica); collective over it."""
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
 
-    def scales(microbatches):
+    def scales(microbatches: List[Dict[str, Any]]) -> LossWeights:
         counts = torch.tensor([float(count(mb)) for mb in microbatches], dtype=torch.float64)
         total = counts.sum().reshape(1).to(device)
         local = float(total.item())
@@ -57,6 +100,6 @@ def token_weighted_scales(count: Callable[[Dict[str, Any]], Any], dp_group: Opti
             dist.all_reduce(total, group=dp_group)
         backward = (counts * dp_size / max(float(total.item()), 1.0)).tolist()
         report = (counts / max(local, 1.0)).tolist()  # this replica's token mean
-        return backward, report
+        return LossWeights(backward, report)
 
     return scales

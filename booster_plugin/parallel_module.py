@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Dict, Iterable, List, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from pipeline.context import ParallelContext
 from shardformer.layer.spec import get_tp_spec
 
 from .failure import FailureGuard
+
+if TYPE_CHECKING:
+    from shardformer.policies import Policy
+
+    from .batch_check import BatchLimits
+    from .lora import LoRAState
 
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -153,31 +161,42 @@ class GradBucket:
             self.buffer = self.shard = None
 
 
+class SharedParam(NamedTuple):
+    """A parameter several pipeline stages hold (a tied embedding and LM head), as this stage holds it."""
+    param: nn.Parameter
+    group: dist.ProcessGroup  # the stages holding it
+    owner: bool               # this stage is the first of them (it counts the parameter in norms, saves it)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What boost learnt of the unsharded model."""
+    policy: "Policy"
+    full_params: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]  # name -> (shape, dtype), tied names included
+    batch_limits: "BatchLimits"  # the ids and labels it accepts
+    lora: Optional["LoRAState"] = None
+
+
 class HybridParallelModule(nn.Module):
     """Wraps the sharded HF model (`unwrap()` returns it); forward is the model's own, pruned to this stage."""
 
-    def __init__(self, module: nn.Module, stage_forward, dp_group: Optional[dist.ProcessGroup],
-                 tp_group: Optional[dist.ProcessGroup], pp_group: Optional[dist.ProcessGroup],
-                 shared_params: List[tuple], zero_stage: int = 0, bucket_bytes: int = BUCKET_BYTES,
+    def __init__(self, module: nn.Module, stage_forward, ctx: ParallelContext, info: ModelInfo,
+                 shared_params: List[SharedParam], zero_stage: int = 0, bucket_bytes: int = BUCKET_BYTES,
                  failure_guard: Optional[FailureGuard] = None) -> None:
         super().__init__()
         self.failure_guard = failure_guard  # (pp == 1: the reduction at the end of a backward runs under it)
         self.module = module
         self._stage_forward = stage_forward
-        self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
-        self.stage = dist.get_rank(pp_group) if pp_group is not None else 0
-        self.num_stages = dist.get_world_size(pp_group) if pp_group is not None else 1
-        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.ctx = ctx
         self.zero_stage = zero_stage
-        self.shared_params = shared_params  # [(parameter, group of the stages holding it, is_owner)]
+        self.info = info
+        self.shared_params = shared_params
         # False while gradients accumulate (all but the last microbatch, booster.no_sync): no reduction launched
         self.require_grad_sync = True
         # True from the end of the reduction (sync_grads) until the gradients are stepped or zeroed: `p.grad` then
         # holds the averaged gradients, final as after one process's backward
         self._grads_synced = False
         self._sync_queued = False  # pp == 1: sync_grads is queued to run when the running backward pass ends
-        self.lora = None  # booster_plugin.lora.LoRAState when boosted with LoRA adapters (the PeftModel, ...)
         self._buckets: List[GradBucket] = []
         if self.dp_size > 1:  # buckets in reverse order: the backward pass produces the last layers' grads first
             params = [p for p in module.parameters() if p.requires_grad]
@@ -191,6 +210,53 @@ class HybridParallelModule(nn.Module):
             for k, bucket in enumerate(self._buckets):
                 for i, p in enumerate(bucket.params):
                     p.register_post_accumulate_grad_hook(self._grad_ready_hook(k, i))
+
+    # -- what boost learnt of the model -----------------------------------------------------------------------------
+    @property
+    def policy(self) -> "Policy":
+        return self.info.policy
+
+    @property
+    def full_params(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        return self.info.full_params
+
+    @property
+    def batch_limits(self) -> "BatchLimits":
+        return self.info.batch_limits
+
+    @property
+    def lora(self) -> Optional["LoRAState"]:
+        """The LoRA adapters' state (the PeftModel, ...) when boosted with LoRA; None otherwise."""
+        return self.info.lora
+
+    # -- this rank's place in the mesh (the groups: None where the axis has one rank) ------------------------------
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.ctx.dp.active
+
+    @property
+    def tp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.ctx.tp.active
+
+    @property
+    def pp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.ctx.pp.active
+
+    @property
+    def dp_size(self) -> int:
+        return self.ctx.dp.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.ctx.dp.rank
+
+    @property
+    def stage(self) -> int:
+        return self.ctx.pp.rank
+
+    @property
+    def num_stages(self) -> int:
+        return self.ctx.pp.size
 
     def _grad_ready_hook(self, bucket_index: int, index: int):
         # The hook lives on the parameter and reaches this module (and so the parameter) only through a weak
@@ -343,7 +409,6 @@ class HybridParallelModule(nn.Module):
 
     def counts_in_norm(self, param: nn.Parameter) -> bool:
         """Whether this rank counts `param` in the global norm (each element of the whole model once)."""
-        tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
         if any(p is param and not owner for p, _, owner in self.shared_params):
             return False
-        return get_tp_spec(param) is not None or tp_rank == 0
+        return get_tp_spec(param) is not None or self.ctx.tp.rank == 0

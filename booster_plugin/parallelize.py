@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline import ProcessGroupMesh
-from shardformer.plan import PlanPolicy, resolve_plan, resolve_split
+from shardformer.policies.from_paddle import PaddlePlanPolicy, resolve_plan, resolve_split
 
 from .booster import Booster
 from .launch import ensure_distributed
@@ -109,7 +109,7 @@ def _check_config(config: Mapping[str, Any]) -> None:
             raise ValueError(f"config[{key!r}] does not support {sorted(unknown)}; use {sorted(_CONFIG_KEYS[key])}.")
 
 
-def _refuse_undivided_heads(model: nn.Module, policy: PlanPolicy, styles: Mapping[str, Any], tp: int) -> None:
+def _refuse_undivided_heads(model: nn.Module, policy: PaddlePlanPolicy, styles: Mapping[str, Any], tp: int) -> None:
     """Without a built-in policy nothing says which attention attributes count heads: ask rather than guess."""
     if tp == 1 or policy.known is not None or policy.tp_attributes:
         return
@@ -157,7 +157,7 @@ def parallelize(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     if global_spec is not None and any(True for _ in model.get_submodule(global_spec).parameters()):
         raise NotImplementedError(f"global_spec={global_spec!r} has parameters; only parameter-free modules (which "
                                   f"run on every stage anyway) may be global.")
-    policy = PlanPolicy(model, styles, layers, mp_config.get("divide_attributes"))
+    policy = PaddlePlanPolicy(model, styles, layers, mp_config.get("divide_attributes"))
     _refuse_undivided_heads(model, policy, styles, tp)
     microbatches = pp_config.get("accumulate_steps", pp) if pp > 1 else None
     plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=microbatches, zero_stage=level,

@@ -1,47 +1,33 @@
 """HybridParallelPlugin: dp × pp × tp over the world, with ColossalAI's argument names."""
 from __future__ import annotations
 
-import os
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from pipeline.trace import ScheduleTracer
 from pipeline import PipelineP2PCommunication, PipelineSchedule, PipelineStageManager, ProcessGroupMesh
-from pipeline.schedule import split_batch
-from pipeline.schedules import V_STYLES, layout_for, make_schedule, min_microbatches
-from shardformer.parallelformers import as_policy
-from shardformer.policies import Policy, get_autopolicy
-from shardformer.sequence_parallel import SEQUENCE_PARALLEL_MODES, resolve_mode
-from shardformer.layer.deferred import prepare_split_backward
-from shardformer.sharder import ShardConfig, Sharder
+from pipeline.context import ParallelContext
+from pipeline.step import StepOptions
+from pipeline.trace import ScheduleTracer
+from shardformer.policies import Policy
 
-from .activation_checkpoint import GradientCheckpointConfig, apply_activation_checkpointing
-from .batch_check import BatchLimits, DirectCallCheck, agree_on_batch, batch_agreed, label_vocab_of, vocab_of
-from .colossal_args import check_unacted_args
-from .lora import LoRAState, adapter_file_keys, materialize_adapters, split_peft_model
+from .activation_checkpoint import GradientCheckpointConfig
+from .batch_check import BatchLimits, agree_on_batch, batch_agreed
+from .config import PluginConfig
 from .failure import FailureGuard
-from .launch import (ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, agree_on_layout, alias, check_int, default_device,
-                     ensure_distributed)
-from .microbatches import default_num_microbatches, token_weighted_scales, without_empty_microbatches
-from .mixed_precision import DynamicLossScaler, LossScalerConfig
+from .launch import ARRIVAL_TIMEOUT_S, agree_on_layout, default_device, ensure_distributed
+from .microbatches import MicrobatchSplit, token_weighted_scales, without_empty_microbatches
 from .optimizer import HybridParallelOptimizer
-from .optimizer_guard import guard_parameters
 from .parallel_module import HybridParallelModule
-from .stage_calls import refuse_calls_outside_schedule
-from .usage_checks import (check_batch_content, check_criterion, check_step_arguments, refuse_boosted_twice,
-                           remember_boosted)
-from .v_schedule import fingerprint, schedule_from_nodes
-from .zero import ZeroOptimizer, check_zero_optimizer
-
-DP_AXIS, PP_AXIS, TP_AXIS = 0, 1, 2
-_SUPPORTED_PRECISIONS = ("fp32", "bf16", "fp16")
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from .prepare import PrepareOptions, prepare_model
+from .stage_calls import chunk_calls, running_step
+from .usage_checks import check_batch_content, check_criterion, check_step_arguments
 
 
 class HybridParallelPlugin:
@@ -114,111 +100,104 @@ class HybridParallelPlugin:
                  gradient_checkpoint_config: Optional[GradientCheckpointConfig] = None,
                  tp: Optional[int] = None, pp: Optional[int] = None, **colossalai_kwargs: Any) -> None:
         # every check before the first collective, so that bad input fails the same way on every rank
-        tp_size, pp_size = alias("tp", tp, "tp_size", tp_size), alias("pp", pp, "pp_size", pp_size)
-        check_unacted_args(colossalai_kwargs, rank=int(os.environ.get("RANK", "0")) if not dist.is_initialized()
-                           else None)
-        check_int("tp_size", tp_size, 1)
-        check_int("pp_size", pp_size, 1)
-        if num_microbatches is not None and microbatch_size is not None:
-            raise ValueError(f"Give at most one of num_microbatches={num_microbatches} and "
-                             f"microbatch_size={microbatch_size}.")
-        if num_microbatches is not None:
-            check_int("num_microbatches", num_microbatches, 1)
-        if microbatch_size is not None:
-            check_int("microbatch_size", microbatch_size, 1)
-        if precision not in _SUPPORTED_PRECISIONS:
-            raise ValueError(f"precision={precision!r} is not supported; use one of {_SUPPORTED_PRECISIONS}.")
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage={zero_stage!r} is not supported; use 0, 1 or 2.")
-        self.scaler_config = LossScalerConfig(initial_scale, growth_factor, backoff_factor, growth_interval,
-                                              hysteresis, min_scale, max_scale)
-        if precision == "fp16":
-            self.scaler_config.check()
-        if gradient_checkpoint_config is not None:
-            gradient_checkpoint_config.check(pp_size)
-        self.gradient_checkpoint_config = gradient_checkpoint_config
-        if isinstance(num_layers_per_stage, str) and num_layers_per_stage != "auto":
-            raise ValueError(f"num_layers_per_stage must be a list, None or 'auto', got {num_layers_per_stage!r}.")
-        layout = layout_for(pp_style, pp_size, num_model_chunks)  # "1f1b", "interleaved", "zbv" or "dualpipev"
-        if pp_style != "1f1b" and (pp_size == 1 or p2p_transport != "p2p"):
-            raise ValueError(f"pp_style={pp_style!r} needs pp_size > 1 and p2p_transport='p2p'.")
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))  # (for warnings)
-        nodes = schedule_from_nodes(scheduler_nodes, pp_style, layout, num_microbatches, rank)
-        self.sp_mode = resolve_mode(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size, rank)
-        if max_norm < 0:
-            raise ValueError(f"max_norm={max_norm} must be >= 0 (0 turns clipping off).")
-        if ddp_bucket_cap_mb <= 0:
-            raise ValueError(f"ddp_bucket_cap_mb={ddp_bucket_cap_mb} must be > 0.")
-        if p2p_transport not in ("p2p", "broadcast"):
-            raise ValueError(f"p2p_transport={p2p_transport!r}: use 'p2p' or 'broadcast'.")
-        if pp_schedule_costs not in ("measured", "unit"):
-            raise ValueError(f"pp_schedule_costs={pp_schedule_costs!r}: use 'measured' or 'unit'.")
-        if pp_schedule_costs == "measured" and pp_style in V_STYLES and num_microbatches is None:
-            raise ValueError("pp_schedule_costs='measured' re-plans at a step every rank takes together: give "
-                             "num_microbatches (the same on every replica).")
-        check_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by, 1)
-        custom_policy = as_policy(custom_policy)  # ours as is, Parallelformers-style translated, else TypeError
-        if loss_weight_fn is not None and pp_size == 1 and not (num_microbatches or microbatch_size):
-            raise ValueError("loss_weight_fn weighs the microbatches of execute_pipeline: also give num_microbatches "
-                             "(or microbatch_size).")
-        if pp_size > 1 and num_microbatches is not None:
-            make_schedule(pp_style, pp_size, num_model_chunks, num_microbatches)  # e.g. m < p: a clear error
-        if on_nonfinite not in ("skip", "raise", "ignore"):
-            raise ValueError(f"on_nonfinite={on_nonfinite!r}: use 'skip', 'raise' or 'ignore'.")
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout={timeout} must be a positive number of seconds.")
-        ensure_distributed(timeout or DEFAULT_TIMEOUT_S, explicit=timeout is not None)
-        agree_on_layout(tp_size=tp_size, pp_size=pp_size, num_microbatches=num_microbatches or 0,
-                         microbatch_size=microbatch_size or 0, zero_stage=zero_stage,
-                         precision=_SUPPORTED_PRECISIONS.index(precision), check_batches=int(check_batches),
-                         num_model_chunks=num_model_chunks, pp_schedule_costs=int(pp_schedule_costs == "measured"),
-                         scheduler_nodes=fingerprint(nodes),
-                         sequence_parallelism_mode=(None, *SEQUENCE_PARALLEL_MODES).index(self.sp_mode))
+        args = {k: v for k, v in locals().items() if k not in ("self", "colossalai_kwargs")}
+        self.config = config = PluginConfig.from_arguments(args, colossalai_kwargs)
+        ensure_distributed(config.mesh.timeout, explicit=config.mesh.timeout_given)
+        agree_on_layout(**config.agreement())
         self.failure_guard = FailureGuard.shared()
-        world = dist.get_world_size()
+        world, tp_size, pp_size = dist.get_world_size(), config.mesh.tp_size, config.mesh.pp_size
         if world % (tp_size * pp_size):
             raise ValueError(f"World size {world} is not divisible by tp_size * pp_size = {tp_size} * {pp_size}; "
                              f"launch a multiple of {tp_size * pp_size} processes or change the sizes.")
-        self.tp_size, self.pp_size = tp_size, pp_size
-        self.dp_size = world // (tp_size * pp_size)
-        if zero_stage > 0 and self.dp_size == 1:
-            raise ValueError(f"zero_stage={zero_stage} partitions over data parallel, but dp size is 1 (world {world} "
-                             f"= tp_size {tp_size} * pp_size {pp_size}): use zero_stage=0 or more processes.")
-        self.zero_stage = zero_stage
-        self.precision, self.max_norm, self.custom_policy = precision, max_norm, custom_policy
-        self.parallel_output, self.make_vocab_size_divisible_by = parallel_output, make_vocab_size_divisible_by
-        self.seed, self.check_batches, self.on_nonfinite = seed, check_batches, on_nonfinite
-        self.timeout = float(timeout or DEFAULT_TIMEOUT_S)
-        self.pp_style, self.num_model_chunks = pp_style, num_model_chunks
-        self.bucket_bytes = int(ddp_bucket_cap_mb * 1024 * 1024)
+        dp_size = world // (tp_size * pp_size)
+        if config.precision.zero_stage > 0 and dp_size == 1:
+            raise ValueError(f"zero_stage={config.precision.zero_stage} partitions over data parallel, but dp size is "
+                             f"1 (world {world} = tp_size {tp_size} * pp_size {pp_size}): use zero_stage=0 or more "
+                             f"processes.")
         self.device = default_device()
-
-        self.pg_mesh = ProcessGroupMesh(self.dp_size, pp_size, tp_size,
-                                        timeout=timedelta(seconds=self.timeout))
-        self.dp_group = self.pg_mesh.get_group_along_axis(DP_AXIS)
-        self.tp_group = self.pg_mesh.get_group_along_axis(TP_AXIS)
-        self._stage_manager = PipelineStageManager(self.pg_mesh, PP_AXIS, num_model_chunks=num_model_chunks,
-                                                   num_layers_per_stage=num_layers_per_stage, layout_style=layout.style)
-        self.pp_group = self._stage_manager.pp_group
-        self.dp_rank = self.pg_mesh.coordinate[DP_AXIS]
-        self.tp_rank = self.pg_mesh.coordinate[TP_AXIS]
-        self.schedule = None
-        self.loss_weight_fn = loss_weight_fn
+        self.ctx = ParallelContext.build({"dp": dp_size, "pp": pp_size, "tp": tp_size},
+                                         timedelta(seconds=config.mesh.timeout))
+        pipe = config.pipeline
+        self._stage_manager = PipelineStageManager(
+            self.ctx.mesh, self.ctx.pp.index, num_model_chunks=pipe.num_model_chunks,
+            num_layers_per_stage=pipe.num_layers_per_stage,
+            layout_style=pipe.style.layout(pp_size, pipe.num_model_chunks).style)
         # pp > 1 without a microbatch setting: each step picks the number of microbatches from its batch size
-        self.auto_microbatches = pp_size > 1 and num_microbatches is None and microbatch_size is None
-        if pp_size > 1 or num_microbatches or microbatch_size:
-            p2p = PipelineP2PCommunication(self._stage_manager, self.device, transport=p2p_transport,
-                                           enable_metadata_cache=enable_metadata_cache)
-            self.schedule = PipelineSchedule(self._stage_manager, p2p,
-                                             min_microbatches(pp_style, pp_size) if self.auto_microbatches
-                                             else num_microbatches,
-                                             microbatch_size, pp_style, pp_schedule_costs == "measured")
-            if nodes is not None:
-                self.schedule.use_schedule(nodes)
-            if loss_weight_fn is not None:
-                self.schedule.loss_scales_fn = token_weighted_scales(loss_weight_fn, self.dp_group, self.device)
-            if trace if trace is not None else os.environ.get("HP_TRACE", "0") not in ("", "0"):
-                self.schedule.tracer = ScheduleTracer(self._stage_manager.stage, pp_size)
+        self.microbatching = MicrobatchSplit(pipe.num_microbatches, pipe.microbatch_size, pipe.style, pp_size)
+        self.schedule: Optional[PipelineSchedule] = None
+        self._loss_weights = None  # microbatches -> their LossWeights (token-weighted loss)
+        if pipe.runs_schedule(pp_size):
+            p2p = PipelineP2PCommunication(self._stage_manager, self.device, transport=pipe.p2p_transport,
+                                           enable_metadata_cache=pipe.metadata_cache)
+            self.schedule = PipelineSchedule(self._stage_manager, p2p, pipe.style, pipe.measured_costs,
+                                             ScheduleTracer(self._stage_manager.stage, pp_size) if pipe.trace else None)
+            if pipe.nodes is not None:
+                self.schedule.use_schedule(pipe.nodes)
+            if pipe.loss_weight_fn is not None:
+                self._loss_weights = token_weighted_scales(pipe.loss_weight_fn, self.dp_group, self.device)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a collective may wait before every rank fails."""
+        return self.config.mesh.timeout
+
+    @property
+    def make_vocab_size_divisible_by(self) -> int:
+        return self.config.sharding.make_vocab_size_divisible_by
+
+    @property
+    def sp_mode(self) -> Optional[str]:
+        """The sequence-parallel mode in effect (None: off)."""
+        return self.config.sharding.sp_mode
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision.precision
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.precision.zero_stage
+
+    @property
+    def max_norm(self) -> float:
+        return self.config.precision.max_norm
+
+    # -- the mesh, by ColossalAI's names (the named axes are in self.ctx) -------------------------------------
+    @property
+    def pg_mesh(self) -> ProcessGroupMesh:
+        return self.ctx.mesh
+
+    @property
+    def dp_size(self) -> int:
+        return self.ctx.dp.size
+
+    @property
+    def pp_size(self) -> int:
+        return self.ctx.pp.size
+
+    @property
+    def tp_size(self) -> int:
+        return self.ctx.tp.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.ctx.dp.rank
+
+    @property
+    def tp_rank(self) -> int:
+        return self.ctx.tp.rank
+
+    @property
+    def dp_group(self) -> ProcessGroup:
+        return self.ctx.dp.group
+
+    @property
+    def pp_group(self) -> ProcessGroup:
+        return self.ctx.pp.group
+
+    @property
+    def tp_group(self) -> ProcessGroup:
+        return self.ctx.tp.group
 
     @property
     def stage_manager(self) -> Optional[PipelineStageManager]:
@@ -238,78 +217,11 @@ class HybridParallelPlugin:
 
     # -- boosting ---------------------------------------------------------------------------------------
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
-        if optimizer is not None and self.zero_stage > 0:
-            check_zero_optimizer(optimizer, self.zero_stage)
-        model, peft_model = split_peft_model(model)  # a LoRA model: shard the transformers model inside it
-        refuse_boosted_twice(model)
-        lora = None
-        if peft_model is not None:
-            materialize_adapters(peft_model)  # built on the meta device: peft's own init for the small adapters
-            lora = LoRAState(peft_model, adapter_file_keys(peft_model))
-        param_names: Dict[int, list] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):  # a tied parameter has several names
-            param_names.setdefault(id(p), []).append(name)
-        policy = self.custom_policy if self.custom_policy is not None else get_autopolicy(model)
-        # the unsharded layout (names, shapes, dtypes, holding stages), for checkpoints in HF format
-        full_params = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
-        batch_limits = BatchLimits(vocab_of(model), label_vocab_of(model),
-                                   sequence_multiple=self.tp_size if self.sp_mode else 1)
-        rng_tracker = None
-        if self.tp_size > 1:
-            from shardformer.layer.dropout import TPRNGTracker
-            rng_tracker = TPRNGTracker(self.device)
-            # dropout masks the same across tp, not dp; drawn from the tracker, the script's global RNG is left alone
-            rng_tracker.sync(self.tp_group, self.seed + self.dp_rank)
-        shard_config = ShardConfig(
-            tensor_parallel_process_group=self.tp_group if self.tp_size > 1 else None,
-            pipeline_stage_manager=self.stage_manager,
-            parallel_output=self.parallel_output, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
-            rng_tracker=rng_tracker, enable_sequence_parallelism=self.sp_mode is not None,
-            sequence_parallelism_mode=self.sp_mode)
-        sharder = Sharder(model, policy, shard_config)
-        if self.custom_policy is not None:  # a plan written by hand: an entry matching nothing is a typo
-            policy.check_plan()
-        shared_names = sharder.shard()
-        remember_boosted(model)  # sharded in place: boosting this object again is refused
-        if self.pp_style in V_STYLES:  # their backward is split into I and W (pipeline/split_backward.py)
-            prepare_split_backward(model)
-        per_stage = policy.layers_per_stage() if self.pp_size > 1 else [policy.num_layers()]
-        layout = self._stage_manager.layout  # checkpointing counts per pipeline rank: a rank's chunks together
-        apply_activation_checkpointing(model, list(policy.layer_list()), self.stage,
-                                       [sum(per_stage[s] for s in layout.stages_of(r)) for r in range(self.pp_size)],
-                                       self.gradient_checkpoint_config, rng_tracker)
-        if self.precision in _DTYPES:
-            model.to(_DTYPES[self.precision])
-        sharder._materialize(self.device)  # lazy init: a model built on the meta device gets only this rank's shard
-        model.to(self.device)
-
-        params = dict(model.named_parameters(remove_duplicate=False))
-        shared = []
-        for names in shared_names:  # every rank creates every group, in the same order
-            stages = sorted(names)
-            group = self.pg_mesh.get_group_along_axis(PP_AXIS, indices=stages)
-            if self.stage in names:
-                shared.append((params[names[self.stage]], group, self.stage == stages[0]))
-        module = HybridParallelModule(model, sharder.stage_forward, self.dp_group if self.dp_size > 1 else None,
-                                      self.tp_group if self.tp_size > 1 else None,
-                                      self.pp_group if self.pp_size > 1 else None, shared, self.zero_stage,
-                                      bucket_bytes=self.bucket_bytes, failure_guard=self.failure_guard)
-        module.policy, module.full_params, module.batch_limits = policy, full_params, batch_limits
-        module.lora = lora
-        module.sync_params()
-        if self.pp_size > 1:  # a stage alone cannot run the model: only the schedule may call it
-            refuse_calls_outside_schedule((module, model), self._stage_manager)
-        if self.check_batches and self.tp_size > 1 and self.pp_size == 1:  # `model(**batch)` agrees over tp first
-            module.register_forward_pre_hook(DirectCallCheck(batch_limits, self.dp_rank, self.tp_group, self.device),
-                                             with_kwargs=True)
-        guard_parameters(module)  # an optimizer that skips boost is refused at its step
-        if optimizer is not None:
-            _rebind_optimizer(optimizer, param_names, params)
-            wrapper = ZeroOptimizer if self.zero_stage > 0 else HybridParallelOptimizer
-            scaler = DynamicLossScaler(self.scaler_config, self.device) if self.precision == "fp16" else None
-            optimizer = wrapper(optimizer, module, self.max_norm, tracer=self.schedule.tracer if self.schedule else None,
-                                master_dtype=torch.float32 if self.precision != "fp32" else None, scaler=scaler,
-                                on_nonfinite=self.on_nonfinite)
+        """Boost: shard `model` for this rank and wrap it and `optimizer` (booster_plugin/prepare.py)."""
+        opts = PrepareOptions(self.config.sharding, self.config.precision, self.config.pipeline.style,
+                              self.config.check_batches, self.device)
+        module, optimizer = prepare_model(model, optimizer, opts, self.ctx, self._stage_manager, self.failure_guard,
+                                          self.schedule.tracer if self.schedule else None)
         return module, optimizer, criterion, dataloader, lr_scheduler
 
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,
@@ -328,28 +240,31 @@ class HybridParallelPlugin:
         except StopIteration:
             raise ValueError("execute_pipeline got an exhausted data iterator: pass a fresh iter(dataloader) or stop "
                              "the loop when the dataloader ends.") from None
-        if self.check_batches:  # one small all-gather: a bad batch anywhere raises the same error everywhere
-            agree_on_batch(batch, model.batch_limits, lambda b: self._num_microbatches(b, model.batch_limits),
-                           self.dp_rank, self.device)
+        microbatches = None  # unchecked: split in the step, so a batch that does not split fails it on every rank
+        if self.config.check_batches:  # one small all-gather: a bad batch anywhere raises the same error everywhere
+            microbatches = self._agreed_microbatches(batch, model.batch_limits)
         else:
             check_batch_content(batch, model.batch_limits)
-        if self.auto_microbatches:
-            self.schedule.num_microbatches = default_num_microbatches(batch, self.pp_size, self.pp_style)
-        if self.loss_weight_fn is not None and criterion is not None:
-            criterion = without_empty_microbatches(criterion, self.loss_weight_fn)
+        if self.config.pipeline.loss_weight_fn is not None and criterion is not None:
+            criterion = without_empty_microbatches(criterion, self.config.pipeline.loss_weight_fn)
         if trains and model.grads_synced:  # every rank alike: they ran the same calls
             raise RuntimeError("This step's gradients were already reduced by an earlier execute_pipeline: call "
                                "optimizer.step()/zero_grad() first, or run all but the last accumulation step inside "
                                "`with booster.no_sync(model):`.")
         # a failure ends the step on every rank; evaluation runs forwards only, as under torch.no_grad()
-        with self.failure_guard.step("execute_pipeline"), batch_agreed(), torch.set_grad_enabled(trains):
-            result = self.schedule.forward_backward_step(model, iter([batch]), criterion, optimizer, return_loss,
-                                                         return_outputs)
+        with self.failure_guard.step("execute_pipeline"), batch_agreed(), running_step(self._stage_manager), \
+                torch.set_grad_enabled(trains):
+            if microbatches is None:
+                microbatches = self.microbatching.split(batch)
+            weights = self._loss_weights(microbatches) if self._loss_weights is not None else None
+            options = StepOptions(return_loss, return_outputs, weights,
+                                  optimizer.backward if optimizer is not None else None, grad_sync=model)
+            result = self.schedule.forward_backward_step(chunk_calls(model, self.config.pipeline.num_model_chunks), microbatches,
+                                                         criterion, options)
             if trains and model.require_grad_sync:  # `p.grad` final on return, as in one process
                 model.sync_grads()
-            if result["outputs"] is not None:
-                result["outputs"] = model.full_outputs(result["outputs"], result["loss"])
-        return result
+            outputs = model.full_outputs(result.outputs, result.loss) if result.outputs is not None else None
+        return {"loss": result.loss, "outputs": outputs}
 
     def arrive(self, call: str) -> None:
         """Start of a collective call (checkpoints): a monitored barrier over the world, so that a call made on some
@@ -368,23 +283,30 @@ class HybridParallelPlugin:
                                    f"but some ranks did not reach it within {window:.0f} s of the first ({error})."
                                    ) from None
 
-    def _num_microbatches(self, batch: Any, limits: BatchLimits) -> int:
-        """How this step splits `batch` (raises as the schedule would on a batch that does not split, or on an empty
-        batch or labels the model cannot take)."""
+    def _agreed_microbatches(self, batch: Any, limits: BatchLimits) -> List[Dict[str, Any]]:
+        """This step's microbatches, split once while every rank agrees on its batch (collective)."""
+        split: List[List[Dict[str, Any]]] = []  # the split the agreement makes (it counts the microbatches)
+
+        def count(b: Any) -> int:
+            split.append(self._microbatches(b, limits))
+            return len(split[0])
+
+        agree_on_batch(batch, limits, count, self.dp_rank, self.device)
+        return split[0]
+
+    def _microbatches(self, batch: Any, limits: BatchLimits) -> List[Dict[str, Any]]:
+        """How this step splits `batch` (raises as the step would on a batch that does not split, or on an empty
+        batch or labels the model cannot take); planned for."""
         check_batch_content(batch, limits)
         try:
-            if self.auto_microbatches:
-                m, size = default_num_microbatches(batch, self.pp_size, self.pp_style), None
-            else:
-                m, size = self.schedule.num_microbatches, self.schedule.microbatch_size
-            m = len(split_batch(batch, m, size))
+            microbatches = self.microbatching.split(batch)
         except ValueError as error:  # e.g. the short last batch of an epoch
             raise ValueError(f"{error} If this is the last batch of an epoch (a dataset size that is not a multiple "
                              f"of the batch size), drop it: prepare_dataloader(..., drop_last=True), the default "
                              f"with microbatches, or DataLoader(drop_last=True).") from None
         if self.pp_size > 1:
-            self.schedule.plan(m)  # e.g. m < p: the schedule's error (the plan is kept for the step)
-        return m
+            self.schedule.plan(len(microbatches))  # e.g. m < p: the schedule's error (the plan is kept for the step)
+        return microbatches
 
     def write_trace(self, out_dir: str) -> Optional[Dict[str, float]]:
         """Collective: write the recorded schedule timeline (trace.json, timeline.png, bubble.json) from rank 0.
@@ -410,19 +332,3 @@ class HybridParallelPlugin:
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                           pin_memory=pin_memory, num_workers=num_workers, **kwargs)
 
-
-def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: Dict[int, list], params: Dict[str, nn.Parameter]) -> None:
-    """Point the optimizer at this stage's (possibly re-created, sharded) parameters, by name; drop the rest."""
-    if optimizer.state:
-        raise ValueError("Boost the optimizer before its first step: it already has state for unsharded parameters.")
-    for group in optimizer.param_groups:
-        rebound, seen = [], set()
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError("The optimizer holds a parameter that is not in the model: build the optimizer "
-                                 "from model.parameters() before boosting.")
-            new = next((params[n] for n in names[id(p)] if n in params), None)
-            if new is not None and id(new) not in seen:
-                rebound.append(new)
-                seen.add(id(new))
-        group["params"] = rebound

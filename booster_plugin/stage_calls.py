@@ -3,16 +3,27 @@
 A call the script makes itself (`model(**batch)`, `model.unwrap()(**batch)`, `model.unwrap().generate(...)`) would
 run one stage's part of the forward: the first stage fails on a module it does not hold, a later one runs on a
 stand-in embedding's zeros and returns garbage. Forward pre-hooks on the boosted model and on the transformers model
-inside it refuse such calls on every rank alike, before anything runs; inside a step the schedule has set the stage
-manager's `model_chunk_id`, which is all the hooks look at.
+inside it refuse such calls on every rank alike, before anything runs; `execute_pipeline` runs its step inside
+`running_step(stage_manager)`, which is all the hooks look at. The schedule calls the model through `chunk_calls`:
+one callable per model chunk (virtual stage) this rank holds.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from typing import Any, Callable, Iterator, List, Optional
 
 from torch import nn
 
 from pipeline import PipelineStageManager
+from shardformer.stage import CHUNK_ARGUMENT
 
-__all__ = ["PipelineCallError", "refuse_calls_outside_schedule"]
+__all__ = ["PipelineCallError", "chunk_calls", "refuse_calls_outside_schedule", "running_step"]
+
+# the pipeline whose step is running in this context (None: none)
+_RUNNING: contextvars.ContextVar[Optional[PipelineStageManager]] = contextvars.ContextVar("pipeline_step",
+                                                                                          default=None)
 
 
 class PipelineCallError(RuntimeError):
@@ -29,14 +40,32 @@ def _message(num_stages: int) -> str:
             f"parallelism alone generates).")
 
 
+@contextlib.contextmanager
+def running_step(stage_manager: PipelineStageManager) -> Iterator[None]:
+    """Inside: a step of the pipeline `stage_manager` runs, so the schedule may call its model."""
+    token = _RUNNING.set(stage_manager)
+    try:
+        yield
+    finally:
+        _RUNNING.reset(token)
+
+
 def refuse_calls_outside_schedule(modules: tuple[nn.Module, ...], stage_manager: PipelineStageManager) -> None:
     """Make `modules` (the boosted model, the transformers model it wraps) raise PipelineCallError when called while
-    no pipeline step runs (the stage manager's `model_chunk_id` is None)."""
+    no step of the pipeline `stage_manager` runs (`running_step`)."""
     message = _message(stage_manager.num_stages)
 
     def refuse(module: nn.Module, args: tuple) -> None:
-        if stage_manager.model_chunk_id is None:
+        if _RUNNING.get() is not stage_manager:
             raise PipelineCallError(message)
 
     for module in modules:
         module.register_forward_pre_hook(refuse)
+
+
+def chunk_calls(model: nn.Module, num_chunks: int) -> List[Callable[..., Any]]:
+    """How the schedule calls each of this rank's `num_chunks` model chunks: the boosted `model` itself when it has
+    one, else the model told which chunk to run (shardformer/stage.py)."""
+    if num_chunks == 1:
+        return [model]
+    return [functools.partial(model, **{CHUNK_ARGUMENT: chunk}) for chunk in range(num_chunks)]

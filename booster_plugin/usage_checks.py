@@ -5,6 +5,7 @@ Each check depends only on the call's arguments (the same on every rank of a scr
 """
 from __future__ import annotations
 
+import hashlib
 import weakref
 from typing import Any, Mapping, Optional
 
@@ -12,10 +13,11 @@ import torch
 from torch import nn
 
 from .batch_check import BatchLimits
+from .launch import agree_on_values
 from .optimizer import HybridParallelOptimizer
 from .parallel_module import HybridParallelModule
 
-__all__ = ["refuse_boosted_twice", "remember_boosted", "check_step_arguments", "check_criterion",
+__all__ = ["refuse_boosted_twice", "remember_boosted", "agree_on_model", "check_step_arguments", "check_criterion",
            "check_batch_content"]
 
 _TOKEN_KEYS = ("input_ids", "inputs_embeds", "decoder_input_ids")
@@ -35,6 +37,28 @@ def refuse_boosted_twice(model: nn.Module) -> None:
 
 def remember_boosted(model: nn.Module) -> None:
     _SHARDED.add(model)
+
+
+# config entries that describe where a config came from, not the model (save_pretrained sets `architectures` and
+# `dtype` on the saving rank's config object only; the parameters' dtypes are compared themselves)
+_CONFIG_METADATA = ("_name_or_path", "architectures", "transformers_version", "_commit_hash", "dtype", "torch_dtype")
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def agree_on_model(model: nn.Module) -> None:
+    """Collective over the world, before boost shards anything: every rank must have built the same model (its
+    parameters' names, shapes and dtypes, and its config), else the ranks would shard different layers and fail in
+    a raw collective error on some ranks while others report success. One all-gather of four integers."""
+    params = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters(remove_duplicate=False)]
+    config = getattr(model, "config", None)
+    settings = {} if config is None else {k: v for k, v in config.to_dict().items() if k not in _CONFIG_METADATA}
+    agree_on_values("The ranks built different models", "build the same model on every rank (the same config, e.g. "
+                    "from_pretrained of the same checkpoint, or the same config arguments)",
+                    {"parameters": len(params), "parameter names, shapes and dtypes (digest)": _digest("|".join(params)),
+                     "config (digest)": _digest(repr(sorted(settings.items())))})
 
 
 def check_step_arguments(model: Any, criterion: Any, optimizer: Any) -> None:

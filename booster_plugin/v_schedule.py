@@ -15,10 +15,10 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
-from pipeline.actions import COMPUTE, B, F, I, W, Action, add_communication
+from pipeline.actions import COMPUTE, B, F, I, W, Action, Schedule, add_communication
 from pipeline.layout import StageLayout
 from pipeline.refine import refine
-from pipeline.schedules import Schedule, zero_bubble_v
+from pipeline.schedules import zero_bubble_v
 from pipeline.simulator import ScheduleError, simulate
 
 __all__ = ["PipelineGraph", "ScheduledNode", "fingerprint", "nodes_to_schedule"]

@@ -1,6 +1,6 @@
-"""Schedule actions and the communication a compute order implies.
+"""Schedule actions, whole schedules, and the communication a compute order implies.
 
-A schedule is, for every pipeline rank, a list of `Action`s run in order by one runtime (pipeline/schedule.py):
+A schedule is, for every pipeline rank, a list of `Action`s run in order by one runtime (pipeline/runtime.py):
 compute (F forward, B full backward, I backward for the input only, W backward for the weights only) and
 point-to-point transfers (SEND_F/RECV_F activations, SEND_B/RECV_B their gradients) of one microbatch through
 one virtual stage. Generators (pipeline/schedules.py) only order the compute; `add_communication` derives the
@@ -10,26 +10,49 @@ before the compute that needs it.
 """
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 from .layout import StageLayout
 
-F, B, I, W = "F", "B", "I", "W"
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+
+class ActionKind(StrEnum):
+    """What an action does (its value is its name, so an action prints as `F3.1`)."""
+    F = "F"  # forward
+    B = "B"  # full backward
+    I = "I"  # backward for the input only (its weight gradients are left to W)  # noqa: E741
+    W = "W"  # backward for the weights only
+    SEND_F = "SEND_F"  # activations to the next virtual stage
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"  # their gradients back to the previous one
+    RECV_B = "RECV_B"
+
+
+F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
+SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
 COMPUTE = (F, B, I, W)
 COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
 
 
 class Action(NamedTuple):
-    """One step of a rank's schedule: `kind` (F, B, I, W, SEND_F, ...) of `microbatch` at virtual stage `stage`.
+    """One step of a rank's schedule: `kind` of `microbatch` at virtual stage `stage`.
 
     For SEND_F/SEND_B, `stage` is the sending virtual stage; for RECV_F/RECV_B the receiving one."""
-    kind: str
+    kind: ActionKind
     stage: int
     microbatch: int
 
     def __repr__(self) -> str:
         return f"{self.kind}{self.stage}.{self.microbatch}"
+
+
+class Schedule(NamedTuple):
+    """A whole pipeline step: per-rank action lists and the activation memory each rank is promised to stay in
+    (the most (virtual stage, microbatch) activations alive at once, from forward to the end of its backward)."""
+    layout: StageLayout
+    num_microbatches: int
+    actions: List[List[Action]]
+    max_activations: List[int]
 
 
 def peer_stage(action: Action) -> int:

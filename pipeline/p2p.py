@@ -18,45 +18,37 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from .stage_manager import PipelineStageManager
 
 FORWARD, BACKWARD = "fwd", "bwd"
 
 
-def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
-    """Split a nested dict/list/tuple into a JSON-able tree (tensors replaced by {"__t__": i}) and the tensors."""
+def flatten(obj: Any) -> Tuple[Dict[str, Any], List[torch.Tensor]]:
+    """Split a nested structure into a JSON-able tree (its pytree spec, and its leaves with each tensor replaced by
+    {"__t__": i}) and the tensors."""
+    leaves, spec = tree_flatten(obj)
     tensors: List[torch.Tensor] = []
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            tensors.append(x)
-            return {"__t__": len(tensors) - 1}
-        if isinstance(x, dict):
-            return {"__d__": [[k, walk(v)] for k, v in x.items()]}
-        if isinstance(x, (list, tuple)):
-            return {"__l__" if isinstance(x, list) else "__u__": [walk(v) for v in x]}
-        if x is None or isinstance(x, (bool, int, float, str)):
-            return x
-        raise TypeError(f"Pipeline stages can pass tensors, dict/list/tuple and bool/int/float/str/None, "
-                        f"not {type(x).__name__}.")
-
-    return walk(obj), tensors
+    encoded = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            encoded.append({"__t__": len(tensors)})
+            tensors.append(leaf)
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            encoded.append(leaf)
+        else:
+            raise TypeError(f"Pipeline stages can pass tensors, dict/list/tuple and bool/int/float/str/None, "
+                            f"not {type(leaf).__name__}.")
+    return {"spec": treespec_dumps(spec), "leaves": encoded}, tensors
 
 
-def unflatten(tree: Any, tensors: List[torch.Tensor]) -> Any:
-    if isinstance(tree, dict):
-        if "__t__" in tree:
-            return tensors[tree["__t__"]]
-        if "__d__" in tree:
-            return {k: unflatten(v, tensors) for k, v in tree["__d__"]}
-        if "__l__" in tree:
-            return [unflatten(v, tensors) for v in tree["__l__"]]
-        return tuple(unflatten(v, tensors) for v in tree["__u__"])
-    return tree
+def unflatten(tree: Dict[str, Any], tensors: List[torch.Tensor]) -> Any:
+    leaves = [tensors[leaf["__t__"]] if isinstance(leaf, dict) else leaf for leaf in tree["leaves"]]
+    return tree_unflatten(leaves, treespec_loads(tree["spec"]))
 
 
-def _metadata(tree: Any, tensors: List[torch.Tensor]) -> bytes:
+def _metadata(tree: Dict[str, Any], tensors: List[torch.Tensor]) -> bytes:
     specs = [[list(t.shape), str(t.dtype).removeprefix("torch."), t.requires_grad] for t in tensors]
     return json.dumps({"tree": tree, "tensors": specs}, separators=(",", ":")).encode()
 

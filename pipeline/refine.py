@@ -23,8 +23,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .actions import B, COMPUTE, F, I, W, Action, add_communication
-from .schedules import Schedule
+from .actions import B, COMPUTE, F, I, W, Action, Schedule, add_communication
 from .simulator import ScheduleError, simulate
 
 __all__ = ["CostTable", "agree_on_refined", "cost_of", "refine"]

@@ -9,29 +9,16 @@
 - `dual_pipe_v(p, m)`: the same V, full backwards (B) in the steady state and split ones on the ramps (DualPipeV);
   2p + 1 activations.
 - `forward_only(schedule)`: the forwards of a schedule, for evaluation.
-Every generator's result is checked by pipeline/simulator.py in the tests.
+Which generator a `pp_style` uses, and what else it implies, is in pipeline/styles.py. Every generator's result is
+checked by pipeline/simulator.py in the tests.
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List, Tuple
 
-from .actions import B, F, I, W, Action, add_communication
+from .actions import B, F, I, W, Action, Schedule, add_communication
 from .layout import LOOP, V, StageLayout
-
-
-def unit_cost(action: Action) -> float:
-    """The cost model of the generators and the simulator's default: F = I = W = 1 and B = 2 per chunk (I computes
-    the linear layers' input gradients, W their weight gradients: pipeline/split_backward.py)."""
-    return 2.0 if action.kind == B else 1.0
-
-
-class Schedule(NamedTuple):
-    """A whole pipeline step: per-rank action lists and the activation memory each rank is promised to stay in
-    (the most (virtual stage, microbatch) activations alive at once, from forward to the end of its backward)."""
-    layout: StageLayout
-    num_microbatches: int
-    actions: List[List[Action]]
-    max_activations: List[int]
+from .simulator import simulate, unit_cost
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
@@ -107,7 +94,6 @@ def zero_bubble_v(num_ranks: int, num_microbatches: int) -> Schedule:
                   _greedy(layout, m, 2 * p)]
     schedules = [Schedule(layout, m, add_communication([_merge_first_stage(o) for o in orders], layout), promise)
                  for orders in candidates]
-    from .simulator import simulate  # (the simulator imports this module)
     return min(schedules, key=lambda s: simulate(s).makespan)  # ties: the hand-made order
 
 
@@ -249,48 +235,3 @@ def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
 
-
-STYLES = ("1f1b", "interleaved", "zbv", "dualpipev")
-V_STYLES = ("zbv", "dualpipev")  # two chunks per rank in a V, backward split into I and W
-
-
-def min_microbatches(style: str, num_ranks: int) -> int:
-    """The fewest microbatches a step of `style` can have on `num_ranks` pipeline ranks."""
-    return 2 * num_ranks if style == "dualpipev" else num_ranks
-
-
-def layout_for(style: str, num_ranks: int, num_chunks: int) -> StageLayout:
-    """Where the virtual stages of `style` live.
-
-    Args:
-        style: "1f1b", "interleaved", "zbv" or "dualpipev".
-        num_ranks: pipeline ranks.
-        num_chunks: model chunks per rank (1 for "1f1b", 2 for the V styles).
-    """
-    if style not in STYLES:
-        raise ValueError(f"Unknown pp_style {style!r}; use one of {STYLES}.")
-    fits, need = {"1f1b": (num_chunks == 1, "num_model_chunks=1"),
-                  "interleaved": (num_chunks >= 2, "num_model_chunks >= 2")}.get(style, (num_chunks == 2,
-                                                                                        "num_model_chunks=2"))
-    if not fits:
-        raise ValueError(f"pp_style={style!r} needs {need}, got num_model_chunks={num_chunks}.")
-    return StageLayout(num_ranks, num_chunks, V if style in V_STYLES else LOOP)
-
-
-def make_schedule(style: str, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
-    """The schedule of `style` for p ranks, v chunks per rank and m microbatches (raises ValueError if invalid).
-
-    Args:
-        style: "1f1b", "interleaved", "zbv" or "dualpipev".
-        num_ranks: pipeline ranks p.
-        num_chunks: model chunks per rank v.
-        num_microbatches: microbatches m per step.
-    """
-    layout_for(style, num_ranks, num_chunks)
-    if style == "1f1b":
-        return one_f_one_b(num_ranks, num_microbatches)
-    if style == "interleaved":
-        return interleaved(num_ranks, num_chunks, num_microbatches)
-    if style == "dualpipev":
-        return dual_pipe_v(num_ranks, num_microbatches)
-    return zero_bubble_v(num_ranks, num_microbatches)

@@ -10,10 +10,17 @@ activations alive than the schedule promises. It returns the timings under unit 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Set, Tuple, Union
+from typing import Callable, Deque, Dict, List, NamedTuple, NoReturn, Optional, Set, Tuple, Union
 
-from .actions import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, peer_stage
-from .schedules import Schedule, unit_cost
+from .actions import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule, peer_stage
+
+_BI = "BI"  # the key of "B or I done" (what a SEND_B and the previous stage's backward wait for)
+
+
+def unit_cost(action: Action) -> float:
+    """The cost model of the generators and the simulator's default: F = I = W = 1 and B = 2 per chunk (I computes
+    the linear layers' input gradients, W their weight gradients: pipeline/split_backward.py)."""
+    return 2.0 if action.kind == B else 1.0
 
 
 class ScheduleError(AssertionError):
@@ -42,93 +49,120 @@ def simulate(schedule: Schedule, costs: Union[None, Dict[str, float], Callable[[
     """
     table = costs or unit_cost
     cost = table if callable(table) else lambda a: table[a.kind]  # noqa: E731
-    layout, m = schedule.layout, schedule.num_microbatches
-    p, last = layout.num_ranks, layout.num_stages - 1
-    training = any(a.kind in (B, I, W) for actions in schedule.actions for a in actions)
-    if len(schedule.actions) != p:
-        raise ScheduleError(f"{len(schedule.actions)} action lists for {p} ranks.")
-    done: Dict[Tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> finish time
-    channels: Dict[Tuple[int, int], Deque[Tuple[Action, float]]] = {}
-    received: Set[Action] = set()
-    pc, clock, busy = [0] * p, [0.0] * p, [0.0] * p
-    alive, peak = [0] * p, [0] * p
+    if len(schedule.actions) != schedule.layout.num_ranks:
+        raise ScheduleError(f"{len(schedule.actions)} action lists for {schedule.layout.num_ranks} ranks.")
+    run = _Run(schedule, cost)
+    run.run()
+    run.check_finished()
+    return SimulationResult(max(run.clock), run.busy, run.peak)
 
-    def fail(rank: int, action: Action, why: str) -> None:
-        raise ScheduleError(f"rank {rank}, action {pc[rank]} ({action!r}): {why}")
 
-    def local_input(rank: int, action: Action, kind: str, stage: int, recv: str) -> Optional[float]:
-        """Finish time of the input a compute needs (None: not available yet, which is an error here)."""
-        if layout.rank_of(stage) == rank:
-            return done.get((kind, stage, action.microbatch))
-        return 0.0 if Action(recv, action.stage, action.microbatch) in received else None
+class _Run:
+    """The simulated ranks: where each is in its list, its clock, and what was computed and sent so far."""
 
-    progress = True
-    while progress:
-        progress = False
-        for rank in range(p):
-            while pc[rank] < len(schedule.actions[rank]):
-                a = schedule.actions[rank][pc[rank]]
-                if layout.rank_of(a.stage) != rank:
-                    fail(rank, a, f"virtual stage {a.stage} lives on rank {layout.rank_of(a.stage)}")
-                if not 0 <= a.microbatch < m:
-                    fail(rank, a, f"microbatch out of range 0..{m - 1}")
-                start = clock[rank]
-                if a.kind in (SEND_F, SEND_B):
-                    produced = done.get((F if a.kind == SEND_F else "BI", a.stage, a.microbatch))
-                    if produced is None:
-                        fail(rank, a, "sends a result not computed yet")
-                    dst = layout.rank_of(peer_stage(a))
-                    channels.setdefault((rank, dst), deque()).append((a, start))
-                elif a.kind in (RECV_F, RECV_B):
-                    queue = channels.get((layout.rank_of(peer_stage(a)), rank))
-                    if not queue:
-                        break  # blocked: wait for the sender
-                    sent, at = queue.popleft()
-                    if peer_stage(sent) != a.stage or sent.microbatch != a.microbatch or \
-                            (sent.kind == SEND_F) != (a.kind == RECV_F):
-                        fail(rank, a, f"takes {sent!r} off its channel (transfers are first-in first-out)")
-                    received.add(a)
-                    clock[rank] = max(start, at)
-                else:
-                    key = (a.kind, a.stage, a.microbatch)
-                    if key in done or (a.kind in (B, I) and ("BI", a.stage, a.microbatch) in done):
-                        fail(rank, a, "computed twice")
-                    if a.kind == F:
-                        ready = 0.0 if a.stage == 0 else local_input(rank, a, F, a.stage - 1, RECV_F)
-                    else:
-                        if (F, a.stage, a.microbatch) not in done:
-                            fail(rank, a, "backward before its forward")
-                        if a.kind == W:
-                            ready = done.get((I, a.stage, a.microbatch))
-                        else:
-                            ready = 0.0 if a.stage == last else local_input(rank, a, "BI", a.stage + 1, RECV_B)
-                    if ready is None:
-                        fail(rank, a, "its input is neither computed on this rank nor received before")
-                    begin = max(start, ready)
-                    clock[rank] = begin + cost(a)
-                    busy[rank] += cost(a)
-                    done[key] = clock[rank]
-                    if a.kind in (B, I):
-                        done[("BI", a.stage, a.microbatch)] = clock[rank]
-                    if training:
-                        alive[rank] += 1 if a.kind == F else -1 if a.kind in (B, W) else 0
-                        peak[rank] = max(peak[rank], alive[rank])
-                pc[rank] += 1
-                progress = True
-    stuck = [r for r in range(p) if pc[r] < len(schedule.actions[r])]
-    if stuck:
-        raise ScheduleError("deadlock: " + ", ".join(f"rank {r} waits at {schedule.actions[r][pc[r]]!r}" for r in stuck))
-    leftover = [k for k, q in channels.items() if q]
-    if leftover:
-        raise ScheduleError(f"sends never received on channels {leftover}")
-    for stage in range(last + 1):
-        for mb in range(m):
-            if (F, stage, mb) not in done:
-                raise ScheduleError(f"microbatch {mb} never runs forward at virtual stage {stage}")
-            if training and not ((B, stage, mb) in done or {(I, stage, mb), (W, stage, mb)} <= done.keys()):
-                raise ScheduleError(f"microbatch {mb} misses its backward at virtual stage {stage}")
-    for rank in range(p):
-        if peak[rank] > schedule.max_activations[rank]:
-            raise ScheduleError(f"rank {rank} keeps {peak[rank]} activations alive, promised "
-                                f"{schedule.max_activations[rank]}")
-    return SimulationResult(max(clock), busy, peak)
+    def __init__(self, schedule: Schedule, cost: Callable[[Action], float]) -> None:
+        self.schedule, self.cost, self.layout = schedule, cost, schedule.layout
+        p = self.layout.num_ranks
+        self.last = self.layout.num_stages - 1
+        self.training = any(a.kind in (B, I, W) for actions in schedule.actions for a in actions)
+        self.done: Dict[Tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> finish time
+        self.channels: Dict[Tuple[int, int], Deque[Tuple[Action, float]]] = {}
+        self.received: Set[Action] = set()
+        self.pc, self.clock, self.busy = [0] * p, [0.0] * p, [0.0] * p
+        self.alive, self.peak = [0] * p, [0] * p
+
+    def fail(self, rank: int, action: Action, why: str) -> NoReturn:
+        raise ScheduleError(f"rank {rank}, action {self.pc[rank]} ({action!r}): {why}")
+
+    def run(self) -> None:
+        """Advance every rank as far as it can, round after round, until none moves."""
+        progress = True
+        while progress:
+            progress = False
+            for rank, actions in enumerate(self.schedule.actions):
+                while self.pc[rank] < len(actions) and self._step(rank, actions[self.pc[rank]]):
+                    self.pc[rank] += 1
+                    progress = True
+
+    def _step(self, rank: int, a: Action) -> bool:
+        """Run `a` on `rank`; False when it blocks (a receive whose message was not sent yet)."""
+        if self.layout.rank_of(a.stage) != rank:
+            self.fail(rank, a, f"virtual stage {a.stage} lives on rank {self.layout.rank_of(a.stage)}")
+        if not 0 <= a.microbatch < self.schedule.num_microbatches:
+            self.fail(rank, a, f"microbatch out of range 0..{self.schedule.num_microbatches - 1}")
+        if a.kind in (SEND_F, SEND_B):
+            if self.done.get((F if a.kind == SEND_F else _BI, a.stage, a.microbatch)) is None:
+                self.fail(rank, a, "sends a result not computed yet")
+            dst = self.layout.rank_of(peer_stage(a))
+            self.channels.setdefault((rank, dst), deque()).append((a, self.clock[rank]))
+            return True
+        if a.kind in (RECV_F, RECV_B):
+            return self._receive(rank, a)
+        self._compute(rank, a)
+        return True
+
+    def _receive(self, rank: int, a: Action) -> bool:
+        queue = self.channels.get((self.layout.rank_of(peer_stage(a)), rank))
+        if not queue:
+            return False  # blocked: wait for the sender
+        sent, at = queue.popleft()
+        if peer_stage(sent) != a.stage or sent.microbatch != a.microbatch or \
+                (sent.kind == SEND_F) != (a.kind == RECV_F):
+            self.fail(rank, a, f"takes {sent!r} off its channel (transfers are first-in first-out)")
+        self.received.add(a)
+        self.clock[rank] = max(self.clock[rank], at)
+        return True
+
+    def _compute(self, rank: int, a: Action) -> None:
+        key = (a.kind, a.stage, a.microbatch)
+        if key in self.done or (a.kind in (B, I) and (_BI, a.stage, a.microbatch) in self.done):
+            self.fail(rank, a, "computed twice")
+        ready = self._ready(rank, a)
+        if ready is None:
+            self.fail(rank, a, "its input is neither computed on this rank nor received before")
+        self.clock[rank] = max(self.clock[rank], ready) + self.cost(a)
+        self.busy[rank] += self.cost(a)
+        self.done[key] = self.clock[rank]
+        if a.kind in (B, I):
+            self.done[(_BI, a.stage, a.microbatch)] = self.clock[rank]
+        if self.training:
+            self.alive[rank] += 1 if a.kind == F else -1 if a.kind in (B, W) else 0
+            self.peak[rank] = max(self.peak[rank], self.alive[rank])
+
+    def _ready(self, rank: int, a: Action) -> Optional[float]:
+        """When the input of compute `a` is available (None: it is not, which is an error here)."""
+        if a.kind == F:
+            return 0.0 if a.stage == 0 else self._input(rank, a, F, a.stage - 1, RECV_F)
+        if (F, a.stage, a.microbatch) not in self.done:
+            self.fail(rank, a, "backward before its forward")
+        if a.kind == W:
+            return self.done.get((I, a.stage, a.microbatch))
+        return 0.0 if a.stage == self.last else self._input(rank, a, _BI, a.stage + 1, RECV_B)
+
+    def _input(self, rank: int, action: Action, kind: str, stage: int, recv: str) -> Optional[float]:
+        """Finish time of the input a compute needs, made at `stage` by `kind` (locally) or received by `recv`."""
+        if self.layout.rank_of(stage) == rank:
+            return self.done.get((kind, stage, action.microbatch))
+        return 0.0 if Action(recv, action.stage, action.microbatch) in self.received else None
+
+    def check_finished(self) -> None:
+        """Every rank at its end, every message taken, every computation done, every promise kept."""
+        actions, m = self.schedule.actions, self.schedule.num_microbatches
+        stuck = [r for r in range(len(actions)) if self.pc[r] < len(actions[r])]
+        if stuck:
+            raise ScheduleError("deadlock: " + ", ".join(f"rank {r} waits at {actions[r][self.pc[r]]!r}"
+                                                         for r in stuck))
+        leftover = [k for k, q in self.channels.items() if q]
+        if leftover:
+            raise ScheduleError(f"sends never received on channels {leftover}")
+        for stage in range(self.last + 1):
+            for mb in range(m):
+                if (F, stage, mb) not in self.done:
+                    raise ScheduleError(f"microbatch {mb} never runs forward at virtual stage {stage}")
+                if self.training and not ((B, stage, mb) in self.done
+                                          or {(I, stage, mb), (W, stage, mb)} <= self.done.keys()):
+                    raise ScheduleError(f"microbatch {mb} misses its backward at virtual stage {stage}")
+        for rank, peak in enumerate(self.peak):
+            if peak > self.schedule.max_activations[rank]:
+                raise ScheduleError(f"rank {rank} keeps {peak} activations alive, promised "
+                                    f"{self.schedule.max_activations[rank]}")

@@ -60,8 +60,7 @@ class PipelineStageManager:
 
     With `num_model_chunks` > 1 each rank holds several model chunks (virtual stages), placed by `layout_style`
     (pipeline/layout.py): "loop" (chunk c of stage s is virtual stage `c * num_stages + s`) or "v" (zero-bubble V).
-    Without a current chunk (`model_chunk_id` None), `is_first_stage` / `is_last_stage` say whether this rank
-    holds the first / last virtual stage.
+    `is_first_stage` / `is_last_stage` say whether this rank holds the first / last virtual stage.
 
     Args:
         pg_mesh: the process-group mesh.
@@ -83,7 +82,6 @@ class PipelineStageManager:
         self.stage = pg_mesh.coordinate[pipeline_axis]
         self.num_model_chunks = num_model_chunks
         self.layout = StageLayout(self.num_stages, num_model_chunks, layout_style)
-        self.model_chunk_id: Optional[int] = None  # set by the schedule while it runs a chunk
         self.num_layers_per_stage = num_layers_per_stage if num_layers_per_stage in (None, AUTO) \
             else list(num_layers_per_stage)
         self.stage_ranks: Tuple[int, ...] = pg_mesh.ranks_along_axis(pipeline_axis)
@@ -93,9 +91,7 @@ class PipelineStageManager:
     def _holds(self, virtual_stage: int, ignore_chunk: bool) -> bool:
         if ignore_chunk:  # the physical stage
             return self.stage == (0 if virtual_stage == 0 else self.num_stages - 1)
-        if self.model_chunk_id is None:
-            return self.layout.rank_of(virtual_stage) == self.stage
-        return self.layout.stage_of(self.stage, self.model_chunk_id) == virtual_stage
+        return self.layout.rank_of(virtual_stage) == self.stage
 
     def is_first_stage(self, ignore_chunk: bool = False) -> bool:
         return self._holds(0, ignore_chunk)

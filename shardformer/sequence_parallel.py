@@ -34,6 +34,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.utils._pytree import tree_map_only
 
 from .layer import ColumnParallelLinear, RowParallelLinear, gather_from_tp, split_to_tp
 from .layer.comm import all_to_all
@@ -274,17 +275,12 @@ class _ShardPositionEmbeddings:
         tables = kwargs.get("position_embeddings")
         if not module.training or tables is None or hidden is None:
             return None
-        return args, {**kwargs, "position_embeddings": self._cut(tables, hidden.shape[SEQUENCE_DIM])}
+        chunk = hidden.shape[SEQUENCE_DIM]
+        return args, {**kwargs, "position_embeddings": tree_map_only(Tensor, lambda t: self._cut(t, chunk), tables)}
 
-    def _cut(self, value: Any, chunk: int) -> Any:
-        if isinstance(value, Tensor):
-            full = value.dim() > SEQUENCE_DIM and value.shape[SEQUENCE_DIM] == chunk * self.world
-            return value.narrow(SEQUENCE_DIM, self.rank * chunk, chunk) if full else value
-        if isinstance(value, (tuple, list)):
-            return type(value)(self._cut(v, chunk) for v in value)
-        if isinstance(value, dict):
-            return {k: self._cut(v, chunk) for k, v in value.items()}
-        return value
+    def _cut(self, table: Tensor, chunk: int) -> Tensor:
+        full = table.dim() > SEQUENCE_DIM and table.shape[SEQUENCE_DIM] == chunk * self.world
+        return table.narrow(SEQUENCE_DIM, self.rank * chunk, chunk) if full else table
 
 
 def _use_ulysses_attention(model: nn.Module, layers: Sequence[nn.Module], group: ProcessGroup, world: int,

@@ -10,9 +10,10 @@ which submodules exist.
   is not applied twice).
 - On a non-last stage a forward hook on its last layer ends the forward with that layer's output; the final norm
   and head are released.
-- A rank holding several chunks (interleaved, zero-bubble V) holds all their layers; each call runs the forward once
-  with only the current chunk's layers visible in the layer list, the real entry modules only for the first virtual
-  stage (stand-ins otherwise) and the exit only for the last one.
+- A rank holding several chunks (interleaved, zero-bubble V) holds all their layers; a call names its chunk by the
+  keyword `pipeline_chunk` (default 0) and runs the forward once with only that chunk's layers visible in the layer
+  list, the real entry modules only for the first virtual stage (stand-ins otherwise) and the exit only for the last
+  one.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 INPUT, ZEROS, IDENTITY = "input", "zeros", "identity"
+CHUNK_ARGUMENT = "pipeline_chunk"  # the keyword of a stage call that names the chunk to run
 
 
 def _hidden_size(module: nn.Module) -> tuple[int, torch.dtype]:
@@ -123,11 +125,10 @@ class StageForward:
         model: the sharded HF model.
         chunks: one view per chunk this rank holds.
         layers: the held layer list.
-        chunk_id: returns the chunk to run (the stage manager's `model_chunk_id`; None means chunk 0).
     """
 
-    def __init__(self, model: nn.Module, chunks: Sequence[ChunkView], layers: HeldLayers, chunk_id) -> None:
-        self.model, self.chunks, self.layers, self.chunk_id = model, list(chunks), layers, chunk_id
+    def __init__(self, model: nn.Module, chunks: Sequence[ChunkView], layers: HeldLayers) -> None:
+        self.model, self.chunks, self.layers = model, list(chunks), layers
         self._armed: Optional[nn.Module] = None
         self._value: Optional[torch.Tensor] = None
         params = inspect.signature(model.forward).parameters
@@ -151,8 +152,8 @@ class StageForward:
             self._armed = None
             raise _StageExit(output[0] if isinstance(output, (tuple, list)) else output)
 
-    def __call__(self, hidden_states: Optional[torch.Tensor] = None, **kwargs) -> Any:
-        view = self.chunks[self.chunk_id() or 0]
+    def __call__(self, hidden_states: Optional[torch.Tensor] = None, pipeline_chunk: int = 0, **kwargs) -> Any:
+        view = self.chunks[pipeline_chunk]
         if view.entry_layer is not None:
             if hidden_states is None:
                 raise ValueError("This pipeline stage needs the previous stage's `hidden_states`.")

@@ -7,7 +7,8 @@ from transformers.models.bart.modeling_bart import BartDecoderLayer, BartEncoder
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.opt.modeling_opt import OPTDecoderLayer
 
-from shardformer.parallelformers import Layer, Policy, TranslatedPolicy, as_policy
+from shardformer.policies.from_parallelformers import (Layer, ParallelformersPolicy as Policy, TranslatedPolicy,
+                                                       as_policy)
 from shardformer.policies.base import Colwise, Rowwise
 from tests import model_utils as mu
 from tests.test_encoder_decoder import bart_config  # noqa: F401  (registers the "bart_lm" builder)

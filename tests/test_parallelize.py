@@ -10,8 +10,8 @@ import torch
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.parallelize import ParallelizedModel, _sizes, parallelize
 from pipeline import ProcessGroupMesh
-from shardformer.plan import (ColWiseParallel, RowWiseParallel, SequenceParallelBegin, SplitPoint, resolve_plan,
-                              resolve_split)
+from shardformer.policies.from_paddle import (ColWiseParallel, RowWiseParallel, SequenceParallelBegin, SplitPoint,
+                                              resolve_plan, resolve_split)
 from shardformer.policies.base import Colwise, Rowwise, VocabEmbedding, VocabHead
 from shardformer.policies import get_autopolicy
 from tests import model_utils as mu

@@ -7,12 +7,12 @@ import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.compat import PipelineGraph, ScheduledNode
+from booster_plugin.microbatches import split_batch
 from booster_plugin.v_schedule import fingerprint, nodes_to_schedule
 from pipeline import PipelineStageManager
 from pipeline.actions import B, F, I, Action, add_communication
 from pipeline.layout import V, StageLayout
 from pipeline.p2p import flatten, unflatten
-from pipeline.schedule import split_batch
 from pipeline.simulator import simulate
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed

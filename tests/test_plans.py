@@ -3,9 +3,9 @@ a handful that exercise different features, under tp, pp and tp x pp, against th
 import pytest
 import transformers
 
-from shardformer.check.cli import main as check_main
-from shardformer.check.compare import compare
-from shardformer.check.tiny import tiny_config
+from hp_check.cli import main as check_main
+from hp_check.compare import compare
+from hp_check.tiny import tiny_config
 from shardformer.policies import Colwise, Policy, PlanRefused, Rowwise, VocabEmbedding, VocabHead, get_autopolicy
 from shardformer.policies.base import INPUT
 from tests import model_utils as mu
@@ -88,7 +88,7 @@ def test_checker_cli_names_the_wrong_gradient(capsys):
 def test_checker_cli_tells_a_launch_failure_from_a_mismatch(capsys, monkeypatch):
     """A rank that crashed, hung or never started (e.g. its port was taken) is exit status 4 and ERROR, not FAIL
     (1, a real mismatch)."""
-    import shardformer.check.cli as cli
+    import hp_check.cli as cli
     monkeypatch.setattr(cli, "spawn", lambda *a, **k: [(0, "error", "RuntimeError: The server socket has failed to "
                                                                       "listen on any local network address")])
     assert check_main(["Qwen3ForCausalLM", "--tp", "2", "--pp", "1"]) == 4

@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 
-from pipeline.actions import B, F, I, RECV_F, SEND_F, W, Action, add_communication
+from pipeline.actions import B, F, I, RECV_F, SEND_F, W, Action, Schedule, add_communication
 from pipeline.layout import LOOP, V, StageLayout
-from pipeline.schedules import (Schedule, dual_pipe_v, forward_only, interleaved, make_schedule, one_f_one_b,
-                                zero_bubble_v)
+from pipeline.schedules import dual_pipe_v, forward_only, interleaved, one_f_one_b, zero_bubble_v
+from pipeline.styles import make_schedule
 from pipeline.refine import cost_of, refine
 from pipeline.simulator import ScheduleError, simulate
 from pipeline.split_backward import WeightGradStore, deferring, linear

@@ -191,7 +191,7 @@ def test_split_gather_refuses_what_it_would_split_wrongly():
     attention) and multi-head latent attention's latent projections (MiniCPM3) are refused, naming the module;
     Llama passes."""
     import transformers
-    from shardformer.check.tiny import tiny_config
+    from hp_check.tiny import tiny_config
     from shardformer.sequence_parallel import check_sequence_parallelism
 
     for cls, match in ((transformers.YoutuForCausalLM, r"'layers\.\*\.self_attn' \(YoutuAttention\) mixes tokens"),

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.stage_calls import PipelineCallError
-from shardformer.lora import LoRAShardingError
+from shardformer.lora_sharding import LoRAShardingError
 from shardformer.policies import Colwise
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
@@ -106,9 +106,23 @@ def _cases(pp: Boosted, tp: Boosted):
          "'decoder.layers.0.self_attn' has \\['k_proj', 'v_proj', 'q_proj', 'out_proj'\\]"),
         (lambda: _with_plan("decoder.layers.*.self_attn.q_proj", Colwise), TypeError,
          "tp_plan\\['decoder.layers.\\*.self_attn.q_proj'\\] is the class Colwise, not a parallel style"),
+        # ranks that built different models: both raise at boost, before any shard (3 vs 4 layers; a config value)
+        (lambda: _boost(model=mu.build("gpt2_lm", layers=3 + dist.get_rank()), tp_size=2), ValueError,
+         "The ranks built different models \\(parameters: rank 0 has 41, rank 1 has 53, .*build the same model"),
+        (lambda: _boost(model=_with_config(layer_norm_epsilon=1e-5 * (1 + dist.get_rank())), pp_size=2,
+                        num_microbatches=2), ValueError,
+         "The ranks built different models \\(config \\(digest\\): rank 0 has -?[0-9]+, rank 1 has"),
         (lambda: _lora(tp_size=2), LoRAShardingError,
          "modules_to_save wraps 'lm_head' .* tensor parallelism shards 'lm_head' as VocabHead.* or use tp_size=1"),
     ]
+
+
+def _with_config(**changes):
+    config = mu.gpt2_config()
+    for key, value in changes.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    return type(mu.build("gpt2_lm"))(config)
 
 
 def _check_cases(cases):

@@ -96,6 +96,20 @@ def write_safetensors(path: str, entries: Sequence[Entry], tensors: Iterator[tor
         os.fsync(f.fileno())
 
 
+def write_tensor_file(path: str, entries: Sequence[Entry], tensors: Iterator[torch.Tensor],
+                      torch_format: bool = False) -> None:
+    """Every save's tensor files: safetensors (write_safetensors), or with `torch_format` a torch.save'd dict of
+    plain tensors (it loads with weights_only=True), fsynced."""
+    if not torch_format:
+        write_safetensors(path, entries, tensors)
+        return
+    state = {e.name: next(tensors).contiguous() for e in entries}
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class TensorFile(Protocol):
     """An open checkpoint file: safetensors (sliced lazily) or a torch.save'd state dict."""
 
@@ -267,24 +281,3 @@ def from_json(value: Any) -> Any:
             return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
         return {k: from_json(v) for k, v in value.items()}
     return value
-
-
-def verify_all(items: Sequence[Tuple[TensorFile, str, str]], num_threads: int = 1) -> None:
-    """Check (file, tensor key, saved CRC32) items, on `num_threads` threads (zlib and file reads release the GIL)."""
-    if num_threads > 1 and len(items) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=num_threads) as pool:
-            list(pool.map(lambda item: item[0].verify(item[1], item[2]), items))
-    else:
-        for f, key, expected in items:
-            f.verify(key, expected)
-
-
-def expected_checksum(f: TensorFile, key: str, index: Dict[str, str]) -> Optional[str]:
-    """The CRC32 a tensor must have: the index's and the file's must agree; None if neither records one."""
-    theirs, mine = index.get(key), f.checksums.get(key)
-    if theirs is not None and mine is not None and theirs != mine:
-        raise ValueError(f"{f.path}: tensor {key!r} has checksum {mine} in the file but {theirs} in the index: the "
-                         f"checkpoint is corrupted or mixes files of two saves")
-    return theirs or mine

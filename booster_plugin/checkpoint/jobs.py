@@ -17,13 +17,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Optional
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..failure import default_store
-from . import atomic
+from .atomic import discard
 
 _MESSAGE_BYTES = 2048
 _SAVE_NUMBERS = itertools.count()  # every rank makes the same checkpoint calls: the same number for the same save
@@ -35,6 +35,11 @@ class CheckpointError(RuntimeError):
 
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def listed(items: Sequence[str], most: int = 8) -> str:
+    """The first `most` items, for a message ("[...] ..." when there are more)."""
+    return f"{list(items[:most])}{' ...' if len(items) > most else ''}"
 
 
 def agree(error: Optional[str], action: str, device: torch.device) -> None:
@@ -67,8 +72,8 @@ class SaveJob:
     writers: FrozenSet[int]         # global ranks other than 0 that write files into `tmp` and report
     write: Callable[[], None]       # this rank's file writes (no collectives); a no-op if it has none
     commit: Callable[[], None]      # rank 0 only: index / config, then the swap
+    timeout_s: float                # how long rank 0 waits for the writers' reports (the plugin's timeout)
     error: Optional[str] = None     # set by the collective phase, then by the local phase
-    timeout_s: float = 600.0        # how long rank 0 waits for the writers' reports
     rank: int = field(default_factory=dist.get_rank)  # taken at the call: the group may be gone at exit
     key: str = field(default_factory=lambda: f"hybrid_parallel/save/{next(_SAVE_NUMBERS)}")
     thread: Optional[threading.Thread] = field(default=None, repr=False)
@@ -96,7 +101,7 @@ class SaveJob:
         except Exception as exc:
             self.error = self.error or describe(exc)
         if self.error is not None:
-            atomic.discard(self.tmp)  # the previous checkpoint is untouched
+            discard(self.tmp)  # the previous checkpoint is untouched
 
 
 def _wait_reports(key: str, writers: FrozenSet[int], timeout_s: float) -> Dict[int, str]:
@@ -131,7 +136,7 @@ def _run_in_background(job: SaveJob) -> None:
     except BaseException as exc:  # reported by synchronize(), never lost with the thread
         job.error = job.error or describe(exc)
         if job.rank == 0:
-            atomic.discard(job.tmp)
+            discard(job.tmp)
 
 
 def finish(job: SaveJob, use_async: bool, device: torch.device) -> None:

@@ -3,8 +3,9 @@ from .comm import (all_to_all, copy_to_tp, gather_from_sequence, gather_from_tp,
                    reduce_from_tp, reduce_scatter_to_sequence, split_to_tp)
 from .dropout import TPRNGTracker, wrap_module_forward_in_local_rng
 from .embedding import VocabParallelEmbedding, vocab_parallel_lm_head
-from .linear import ColumnParallelLinear, RowParallelLinear, SequenceShard
+from .linear import ColumnParallelLinear, RowParallelLinear
 from .loss import parallel_causal_lm_loss, vocab_parallel_cross_entropy
+from .sequence_shard import SequenceShard
 from .spec import TPSpec, gather_tensor, get_tp_spec, padded_size, set_tp_spec, shard_parameter, shard_tensor
 
 __all__ = [

@@ -13,22 +13,21 @@ The weight gradients still leave through autograd (the entry's backward returns 
 
 Schedules that split the backward themselves (zbv: input gradients now, weight gradients later, by
 pipeline/split_backward.py) turn this off and route every linear layer through that split instead
-(`prepare_split_backward`).
+(layer/split_weight_grads.py).
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from pipeline.split_backward import WeightGradStore, linear
+from pipeline.split_backward import WeightGradStore
 
 from .comm import start_sum
 
-__all__ = ["Deferring", "enter_deferring", "prepare_split_backward"]
+__all__ = ["Deferring", "enter_deferring"]
 
 
 class _EnterDeferring(torch.autograd.Function):
@@ -67,21 +66,3 @@ def enter_deferring(x: Tensor, group: Optional[ProcessGroup], layers: Sequence[n
     store = WeightGradStore()
     params = [p for layer in deferring for p in (layer.weight, layer.bias) if p is not None]
     return _EnterDeferring.apply(x, group, store, *params), Deferring(deferring, store)
-
-
-def prepare_split_backward(model: nn.Module) -> None:
-    """For a schedule that splits the backward into I and W (pipeline/split_backward.py): column layers stop
-    deferring to their region's entry, and plain nn.Linear / transformers Conv1D modules compute through the split's
-    `linear` (the tp layers always do)."""
-    from transformers.pytorch_utils import Conv1D
-
-    from .linear import ColumnParallelLinear
-    for module in model.modules():
-        if isinstance(module, ColumnParallelLinear):
-            module.defer_weight_grad = False
-        elif type(module) in (nn.Linear, Conv1D):
-            module.forward = functools.partial(_split_linear_forward, module, type(module) is Conv1D)
-
-
-def _split_linear_forward(module: nn.Module, transposed: bool, x: Tensor) -> Tensor:
-    return linear(x, module.weight, module.bias, transposed)

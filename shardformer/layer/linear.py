@@ -17,25 +17,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .comm import (all_gather_along, gather_from_sequence, gather_from_tp, get_tp_rank, get_tp_world_size,
-                   reduce_from_tp, reduce_scatter_to_sequence, split_to_tp)
 from pipeline.split_backward import linear, linear_param_grads, stored_linear
 
+from .comm import (gather_from_sequence, gather_from_tp, get_tp_rank, get_tp_world_size, reduce_from_tp,
+                   reduce_scatter_to_sequence, split_to_tp)
+from .conv1d import is_conv1d
 from .region import RegionInput
+from .sequence_shard import SequenceShard
 from .spec import UnshardedStateDict, TPSpec, get_tp_spec, set_tp_spec, shard_parameter, zero_padding
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceShard"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
 
 def _native_shape(module: nn.Module) -> tuple[int, int, bool]:
     """(in_features, out_features, is_conv1d) of an nn.Linear or a transformers Conv1D."""
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features, False
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # transformers is optional
-        Conv1D = None
-    if Conv1D is not None and isinstance(module, Conv1D):
+    if is_conv1d(module):
         in_features, out_features = module.weight.shape
         return in_features, out_features, True
     raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}")
@@ -46,32 +44,6 @@ def _load_native(layer: nn.Module, module: nn.Module, rank: int, world: int) -> 
     for name in ("weight", "bias"):
         if getattr(layer, name) is not None:
             setattr(layer, name, shard_parameter(getattr(module, name), get_tp_spec(getattr(layer, name)), rank, world))
-
-
-class SequenceShard:
-    """A sequence shard that column layers read as the full, all-gathered sequence: the layers sharing it (q, k and
-    v of one attention) keep only the shard for backward, and the first of them to need the full input there gathers
-    it once for all (it is dropped when the last one has used it).
-
-    Args:
-        dim: the sequence dimension.
-        group: the tp group the sequence is split over.
-    """
-
-    def __init__(self, dim: int, group: ProcessGroup | None) -> None:
-        self.dim, self.group = dim, group
-        self.readers = 0  # column layers that read it in forward; each gathers (or reuses) it once in backward
-        self._full: Tensor | None = None
-
-    def gather(self, shard: Tensor, needed: bool = True) -> Tensor | None:
-        """The full input again, in backward (a collective: every tp rank runs the same backward); `needed=False`
-        only signs off a reader that needs no weight gradient."""
-        full = self._full
-        if needed and full is None:
-            full = all_gather_along(shard, self.dim, self.group)
-        self.readers -= 1
-        self._full = full if self.readers > 0 else None
-        return full
 
 
 class _LinearOnGathered(torch.autograd.Function):

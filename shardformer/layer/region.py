@@ -20,14 +20,15 @@ from torch.distributed import ProcessGroup
 
 from .comm import copy_to_tp, gather_from_sequence, get_tp_world_size
 from .deferred import Deferring, enter_deferring
+from .sequence_shard import SequenceShard
 
 __all__ = ["RegionInput", "ShardSource", "enter_region"]
 
 
 class ShardSource(NamedTuple):
-    """The sequence shard a gathered region input came from, and its bookkeeping (linear.SequenceShard)."""
+    """The sequence shard a gathered region input came from, and its bookkeeping."""
     shard: Tensor
-    source: object
+    source: SequenceShard
 
 
 class RegionInput:
@@ -66,6 +67,5 @@ def enter_region(x: Tensor, group: Optional[ProcessGroup], sequence_dim: Optiona
     `members`: the modules reading it."""
     if sequence_dim is None:
         return RegionInput(x, group, members=members)
-    from .linear import SequenceShard
     return RegionInput(gather_from_sequence(x, sequence_dim, group), group,
                        ShardSource(x, SequenceShard(sequence_dim, group)))

@@ -1,6 +1,5 @@
 """Pick the policy of a transformers model: a hand-written one for the families without plans (GPT-2, BERT, T5,
-BART), else
-one derived from the plans transformers declares; the path taken is logged on rank 0."""
+BART), else one derived from the plans transformers declares; the path taken is logged on rank 0."""
 from __future__ import annotations
 
 import logging
@@ -12,8 +11,8 @@ from torch import nn
 from .base import Policy
 from .bart import BartPolicy
 from .bert import BertPolicy
+from .from_transformers import PlanRefused, TransformersPlanPolicy
 from .gpt2 import GPT2Policy
-from .plans import PlanPolicy, PlanRefused
 from .t5 import T5Policy
 
 logger = logging.getLogger("shardformer")
@@ -39,7 +38,7 @@ def get_autopolicy(model: nn.Module) -> Policy:
         _log(f"{name}: built-in policy {SUPPORTED_MODELS[name].__name__}.")
         return SUPPORTED_MODELS[name]()
     try:
-        policy = PlanPolicy(model)
+        policy = TransformersPlanPolicy(model)
     except PlanRefused as refused:
         _log(f"{name}: refused: {refused}")
         raise PlanRefused(

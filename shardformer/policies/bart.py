@@ -2,7 +2,7 @@
 learned positions and an embeddings LayerNorm before the layers of each stack."""
 from typing import Dict
 
-from ..encoder_decoder import EncoderDecoderPolicy
+from .encoder_decoder import EncoderDecoderPolicy
 from .base import IDENTITY, INPUT, ZEROS, Colwise, Rowwise
 
 

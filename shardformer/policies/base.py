@@ -8,86 +8,24 @@ outside the base model (LM head, classifier) belong to the last stage. Everythin
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from pipeline.stage_manager import StageCosts
+from pipeline.stage_manager import PipelineStageManager, StageCosts
 
-from ..stage import IDENTITY, INPUT, ZEROS  # noqa: F401  (re-exported for policies)
+from ..layer_bounds import stage_of_layer
+from ..paths import base_prefix, find_submodule, match
+from ..shard_config import ShardConfig
+from ..stage import IDENTITY, INPUT, ZEROS
+from ..styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, ParallelStyle, Rowwise, SharedTailGrad,
+                      SplitParam, VocabEmbedding, VocabHead)
+
+# what a policy is written with: the Policy, the entry modules' stand-in kinds and the parallel styles
+__all__ = ["Policy", "IDENTITY", "INPUT", "ZEROS", "Colwise", "Rowwise", "GradAllReduce", "VocabEmbedding", "VocabHead",
+           "HeadEmbedding", "KVHeads", "SharedTailGrad", "SplitParam", "Experts", "ParallelStyle"]
 
 EMBEDDING_COST = 0.25  # an embedding lookup (and its gradient) per parameter, relative to a matmul's
-
-
-# -- tensor-parallel styles (plans are data) ------------------------------------------------------------------
-@dataclass(frozen=True)
-class Colwise:
-    """Output features split over tp ranks; `n_fused` areas (e.g. q, k, v of a fused projection) split each."""
-    n_fused: int = 1
-    gather_output: bool = False
-
-
-@dataclass(frozen=True)
-class Rowwise:
-    """Input features split over tp ranks; the output is all-reduced and the bias added once. With `split_input`
-    the layer receives the full (replicated) input and keeps its own chunk."""
-    split_input: bool = False
-
-
-@dataclass(frozen=True)
-class GradAllReduce:
-    """Replicated parameters that see only this rank's part of a split activation (e.g. a per-head q/k norm after
-    a column-parallel projection): their gradients are summed over the tp ranks."""
-
-
-@dataclass(frozen=True)
-class VocabEmbedding:
-    """Embedding rows (the vocabulary) split over tp ranks, padded to a multiple of tp."""
-
-
-@dataclass(frozen=True)
-class VocabHead:
-    """LM head split over the vocabulary; the loss is a vocab-parallel cross-entropy unless `gather_output`."""
-    gather_output: bool = False
-
-
-@dataclass(frozen=True)
-class HeadEmbedding:
-    """Embedding columns (e.g. T5's relative position bias, one per head) split over tp ranks; no communication."""
-
-
-@dataclass(frozen=True)
-class KVHeads:
-    """A key/value projection with fewer heads than tp ranks: kept whole on every rank, each rank uses the head of
-    its query heads; gradients of the replicas are summed."""
-    num_heads: int
-
-
-@dataclass(frozen=True)
-class SharedTailGrad:
-    """A replicated projection whose output's last `features` features every rank's heads use alike (the shared
-    rotary key of multi-head latent attention): their gradient, each rank's from its heads only, is summed."""
-    features: int
-
-
-@dataclass(frozen=True)
-class SplitParam:
-    """A raw parameter (per-head attention sinks, a mixture's stacked expert weights) split along `dim` over tp
-    ranks, in `n_fused` equal areas each split separately (an expert's gate|up)."""
-    dim: int = 0
-    n_fused: int = 1
-
-
-@dataclass(frozen=True)
-class Experts:
-    """Mixture-of-experts experts whose stacked weights are split over tp ranks (each rank computes its part of
-    every expert): their output is summed over tp, the gradients of their input and routing weights too."""
-
-
-ParallelStyle = (Colwise | Rowwise | GradAllReduce | KVHeads | SharedTailGrad | SplitParam | Experts | VocabEmbedding
-                 | VocabHead | HeadEmbedding)
 
 
 class Policy:
@@ -104,34 +42,35 @@ class Policy:
     tp_input_regions: Sequence[str] = ()           # base-relative modules whose input all column layers share
     local_rng_modules: Sequence[str] = ()           # base-relative patterns whose dropout acts on split heads
     shared_rng_modules: Sequence[str] = ()          # patterns inside those whose dropout acts on replicated data
+    # hook for a policy whose stages are not one layer list (encoder-decoder): it prunes the model to this stage
+    # itself and returns the callable that runs the stage; None: the sharder releases layers, entry and exit
+    release_unheld_layers: Optional[Callable[[], Optional[Callable[..., Any]]]] = None
 
     def __init__(self) -> None:
         self.model: Optional[nn.Module] = None
-        self.stage_manager = None
-        self.shard_config = None
+        self.stage_manager: Optional[PipelineStageManager] = None
+        self.shard_config: Optional[ShardConfig] = None
 
     # -- ColossalAI-style setters ---------------------------------------------------------------------------
     def set_model(self, model: nn.Module) -> None:
+        """Bind the policy to the (unsharded) model; what it derived from a previous model is forgotten."""
         self.model = model
-        self._num_layers = self._shared_names = self._split = None
+        # derived from the unsharded model on first use and remembered (sharding leaves a stage's part only)
+        self._num_layers: Optional[int] = None
+        self._split: Optional[List[int]] = None
+        self._shared_names: Optional[List[Dict[int, str]]] = None
 
-    def set_pipeline_stage_manager(self, stage_manager) -> None:
+    def set_pipeline_stage_manager(self, stage_manager: Optional[PipelineStageManager]) -> None:
         self.stage_manager = stage_manager
 
-    def set_shard_config(self, shard_config) -> None:
+    def set_shard_config(self, shard_config: ShardConfig) -> None:
         self.shard_config = shard_config
 
     # -- structure ----------------------------------------------------------------------------------------
     @property
     def base_prefix(self) -> str:
         """'' when the model is its own base model, else e.g. 'transformer.'."""
-        base = self.model.base_model
-        if base is self.model:
-            return ""
-        for name, module in self.model.named_modules():
-            if module is base:
-                return name + "."
-        raise ValueError(f"{type(self.model).__name__}.base_model is not one of its submodules.")
+        return base_prefix(self.model)
 
     def layer_list(self) -> nn.ModuleList:
         return self.model.get_submodule(self.base_prefix + self.layers)
@@ -142,24 +81,18 @@ class Policy:
 
         def refuse(entry: str, path: str) -> None:
             parent, _, _ = path.rpartition(".")
-            try:
-                children = [n for n, _ in (base.get_submodule(parent) if parent else base).named_children()]
-            except AttributeError:
-                children = [n for n, _ in base.named_children()]
+            found = find_submodule(base, parent)
+            children = [n for n, _ in (base if found is None else found).named_children()]
             raise ValueError(f"{name}.{entry} names {path!r}, which {type(base).__name__} (the base model of "
                              f"{type(self.model).__name__}) does not have; there, {parent or 'the base model'} has "
                              f"{children}. Paths are relative to the base model.")
 
-        try:
-            layers = base.get_submodule(self.layers) if self.layers else None
-        except AttributeError:
-            layers = None
-        if self.layers and not isinstance(layers, nn.ModuleList):
+        if self.layers and not isinstance(find_submodule(base, self.layers), nn.ModuleList):
             refuse("layers", self.layers)
         for entry, paths in (("entry", list(self.entry)), ("exit", list(self.exit))):
             for path in paths:
                 parent = path.rpartition(".")[0]
-                if parent and not _has(base, parent):
+                if parent and find_submodule(base, parent) is None:
                     refuse(entry, path)
 
     def check_plan(self) -> None:
@@ -183,13 +116,13 @@ class Policy:
 
     def num_layers(self) -> int:
         """Layers of the unsharded model (remembered: after sharding the list holds this stage's only)."""
-        if getattr(self, "_num_layers", None) is None:
+        if self._num_layers is None:
             self._num_layers = len(self.layer_list())
         return self._num_layers
 
     def layers_per_stage(self) -> List[int]:
         """Layers of each virtual stage; decided once, on the unsharded model (needed by num_layers_per_stage="auto")."""
-        if getattr(self, "_split", None) is None:
+        if self._split is None:
             self._split = self.stage_manager.layers_per_virtual_stage(self.num_layers(), self.stage_costs)
         return self._split
 
@@ -198,12 +131,10 @@ class Policy:
         costs its parameter count, the last stage adds its exit modules and head (the LM head, even when tied, plus
         its loss), the first its entry modules at EMBEDDING_COST per parameter (a lookup, and in backward a dense
         gradient as large as the table)."""
-        base = self.model.base_model
         count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
         layers = [float(count(layer)) for layer in self.layer_list()]
-        first = EMBEDDING_COST * sum(count(base.get_submodule(e)) for e in self.entry if _has(base, e))
-        last = sum(count(base.get_submodule(e)) for e in self.exit if _has(base, e) and base.get_submodule(e) is not None)
-        last += sum(count(m) for m in self.head_modules().values())
+        first = EMBEDDING_COST * sum(count(m) for m in self._present(self.entry))
+        last = sum(count(m) for m in self._present(self.exit)) + sum(count(m) for m in self.head_modules().values())
         return StageCosts(layers, float(first), float(last))
 
     def stage_of_param(self, name: str) -> Optional[Tuple[int, ...]]:
@@ -213,11 +144,7 @@ class Policy:
         prefix = self.base_prefix
         layers = prefix + self.layers + "."
         if name.startswith(layers):
-            index = int(name[len(layers):].split(".")[0])
-            bounds = [0]
-            for k in self.layers_per_stage():
-                bounds.append(bounds[-1] + k)
-            return (rank_of(next(v for v in range(last + 1) if bounds[v] <= index < bounds[v + 1])),)
+            return (rank_of(stage_of_layer(self.layers_per_stage(), int(name[len(layers):].split(".")[0]))),)
         if any(name.startswith(prefix + e + ".") for e in self.entry):
             return (rank_of(0),)
         if any(name.startswith(prefix + e + ".") for e in self.exit) or not name.startswith(prefix):
@@ -231,13 +158,16 @@ class Policy:
         ranges = [ranges] if sm.num_model_chunks == 1 else ranges
         # by key, not position: after sharding the list keeps only this stage's layers, under their HF indices
         held = [m for key, m in self.layer_list()._modules.items() if any(s <= int(key) < e for s, e in ranges)]
-        base = self.model.base_model
         if sm.is_first_stage():
-            held += [base.get_submodule(e) for e in self.entry if _has(base, e)]
+            held += self._present(self.entry)
         if sm.is_last_stage():
-            held += [base.get_submodule(e) for e in self.exit if _has(base, e) and base.get_submodule(e) is not None]
-            held += list(self.head_modules().values())
+            held += self._present(self.exit) + list(self.head_modules().values())
         return held
+
+    def _present(self, paths) -> List[nn.Module]:
+        """The modules at the base-relative `paths` the model has (entry and exit modules may be optional)."""
+        found = (find_submodule(self.model.base_model, path) for path in paths)
+        return [m for m in found if m is not None]
 
     def head_modules(self) -> Dict[str, nn.Module]:
         """Top-level modules outside the base model (LM head, classifier): the last stage holds them."""
@@ -249,7 +179,7 @@ class Policy:
         """Parameters held by several stages (e.g. a tied embedding / LM head): {stage: its name there}.
 
         Computed on the unsharded model and remembered (after sharding a stage no longer sees the others' names)."""
-        if getattr(self, "_shared_names", None) is None:
+        if self._shared_names is None:
             by_id: Dict[int, Dict[int, str]] = {}
             for name, p in self.model.named_parameters(remove_duplicate=False):
                 names = by_id.setdefault(id(p), {})
@@ -281,14 +211,6 @@ class Policy:
         return {}
 
 
-def _has(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
-
-
 def _nearest(root: nn.Module, pattern: str) -> str:
     """Where `pattern` stops matching `root`'s modules: the deepest module its leading names match, and its children."""
     parts = pattern.split(".")
@@ -299,7 +221,3 @@ def _nearest(root: nn.Module, pattern: str) -> str:
             return f"; '{hit}' has {[n for n, _ in root.get_submodule(hit).named_children()]}"
     return f"; it has {[n for n, _ in root.named_children()]}"
 
-
-def match(pattern: str, path: str) -> bool:
-    """Does a plan pattern ('*' = one path component) match a module path?"""
-    return re.fullmatch(pattern.replace(".", r"\.").replace("*", r"[^.]+"), path) is not None

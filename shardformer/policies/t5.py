@@ -4,7 +4,7 @@ and the LM head. The relative position bias is computed by the first block of ea
 table: under tp it is split by heads (each rank computes its own heads' bias) and `n_heads` (which sizes the zero
 bias of cross-attention) is divided; under pp it is carried from stage to stage with the hidden states.
 """
-from ..encoder_decoder import SKIP_FIRST, EncoderDecoderPolicy
+from .encoder_decoder import SKIP_FIRST, EncoderDecoderPolicy
 from .base import IDENTITY, INPUT, Colwise, HeadEmbedding, Rowwise, VocabEmbedding, VocabHead
 
 _ATTENTION = ("*.block.*.layer.*.SelfAttention", "*.block.*.layer.*.EncDecAttention")

@@ -1,4 +1,5 @@
-"""A policy derived from what transformers declares about a model: no per-model code.
+"""A policy derived from what transformers declares about a model: no per-model code (one of the policy
+front-ends beside hand-written policies, Paddle-style plans and Parallelformers-style block policies).
 
 - Pipeline: the model's `_pp_plan` (its config's `base_model_pp_plan` plus the head): the repeated module is the
   layer list, modules before it are the entry (first stage), modules after it the exit (last stage); modules
@@ -16,13 +17,16 @@
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from torch import nn
 
-from ..lora import native_module
-from .base import (IDENTITY, INPUT, Colwise, Experts, GradAllReduce, KVHeads, Policy, Rowwise, SharedTailGrad,
-                   SplitParam, VocabEmbedding, VocabHead, match)
+from ..lora_sharding import native_module
+from ..paths import base_prefix, find_submodule, match, split_at_base
+from ..stage import IDENTITY, INPUT
+from ..styles import (Colwise, Experts, GradAllReduce, KVHeads, Rowwise, SharedTailGrad, SplitParam, VocabEmbedding,
+                      VocabHead)
+from .base import Policy
 
 # transformers' style names (5.x, plus the 4.x spellings) -> our style; None: nothing to do (replicated)
 STYLES = {
@@ -85,7 +89,7 @@ def style_of(name, path: str, head: bool, config=None):
     return style
 
 
-class PlanPolicy(Policy):
+class TransformersPlanPolicy(Policy):
     """Policy built from the model's own `_pp_plan` / `_tp_plan` (see the module docstring)."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -93,9 +97,9 @@ class PlanPolicy(Policy):
         if not hasattr(model, "base_model") or not hasattr(model, "config"):
             raise PlanRefused(f"{type(model).__name__} is not a transformers model, so it has no plans.")
         self.set_model(model)
-        prefix = self.base_prefix
-        pp_plan = _relative(getattr(model, "_pp_plan", None) or {}, prefix)
-        base_plan, head_plan = _relative(getattr(model, "_tp_plan", None) or {}, prefix)
+        prefix = base_prefix(model)
+        pp_plan = split_at_base(getattr(model, "_pp_plan", None) or {}, prefix)
+        base_plan, head_plan = split_at_base(getattr(model, "_tp_plan", None) or {}, prefix)
         self.tp_plan = {p: s for p, s in ((p, style_of(n, p, False, model.config)) for p, n in base_plan.items())
                         if s is not None}
         self.head_tp_plan = {p: s for p, s in ((p, style_of(n, p, True, model.config)) for p, n in head_plan.items())
@@ -115,13 +119,13 @@ class PlanPolicy(Policy):
                                   if splits_heads and all(isinstance(v, int) for v in _values(config, a)))
 
     def _split_pipeline(self, base: nn.Module, names: List[str]) -> Tuple[str, Dict[str, str], Tuple[str, ...]]:
-        lists = [i for i, n in enumerate(names) if isinstance(_get(base, n), nn.ModuleList)]
+        lists = [i for i, n in enumerate(names) if isinstance(find_submodule(base, n), nn.ModuleList)]
         if len(lists) != 1:
-            missing = [n for n in names if _get(base, n) is None]
+            missing = [n for n in names if find_submodule(base, n) is None]
             raise PlanRefused(f"pipeline plan {names} of {type(base).__name__} has {len(lists)} layer lists; "
                               f"exactly one is needed" + (f" (the model has no {missing})" if missing else "") + ".")
         i = lists[0]
-        entry = {n: INPUT if isinstance(_get(base, n), nn.Embedding) else IDENTITY for n in names[:i]}
+        entry = {n: INPUT if isinstance(find_submodule(base, n), nn.Embedding) else IDENTITY for n in names[:i]}
         return names[i], entry, tuple(names[i + 1:])
 
     def _split_raw_parameters(self, base: nn.Module) -> None:
@@ -288,25 +292,6 @@ def structural_pp_plan(base: nn.Module, tp_plan: Dict[str, object]) -> List[str]
     return names
 
 
-def _relative(plan: Dict[str, object], prefix: str) -> Tuple[Dict[str, object], Dict[str, object]]:
-    """Split a model-relative plan into (base-relative entries, entries outside the base model)."""
-    base, head = {}, {}
-    for path, value in plan.items():
-        if prefix and path.startswith(prefix):
-            base[path[len(prefix):]] = value
-        elif prefix:
-            head[path] = value
-        else:
-            base[path] = value
-    return base, head
-
-
 def _matching(base: nn.Module, patterns) -> List[Tuple[str, nn.Module]]:
     return [(path, m) for path, m in base.named_modules() if any(match(p, path) for p in patterns)]
 
-
-def _get(module: nn.Module, path: str) -> Optional[nn.Module]:
-    try:
-        return module.get_submodule(path)
-    except AttributeError:
-        return None

@@ -5,13 +5,15 @@ else the first parameter after the step."""
 from __future__ import annotations
 
 import copy
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layer.spec import gather_tensor, get_tp_spec
+from booster_plugin import Booster, HybridParallelPlugin
+from shardformer.layer.spec import gather_tensor, get_tp_spec
+
 from .tiny import VOCAB
 
 SEQ, MICROBATCH = 8, 2
@@ -42,8 +44,6 @@ def criterion(outputs, micro_batch) -> torch.Tensor:
 
 def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: float = 1e-5) -> Verdict:
     """One step of the sharded model (tp, pp, dp = world / (tp * pp)) against the unsharded one."""
-    from booster_plugin import Booster, HybridParallelPlugin
-
     torch.manual_seed(0)
     reference = build().float()
     model = copy.deepcopy(reference)
@@ -77,31 +77,39 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
     loss = plugin.execute_pipeline(iter([local]), model, criterion, opt, return_loss=True)["loss"]
     opt.step()
     ref_opt.step()
-    group = plugin.tp_group if tp > 1 else None
-    order = {n: i for i, (n, _) in enumerate(reference.named_parameters(remove_duplicate=False))}
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
     mismatches = []  # (0 loss/gradient, 1 parameter after the step; model order; message)
     got, want_loss = loss.detach().float().item(), ref_loss.detach().item()
     loss_error = abs(got - want_loss)
     if not loss_error <= tol * (1 + abs(want_loss)):
         mismatches.append((0, -1, f"loss {got:.6g} != {want_loss:.6g}"))
-    for name, p in model.unwrap().named_parameters():
-        grad, want = p.grad, ref_grads.get(name)
-        grad = _full(p, grad, group) if grad is not None else None  # (collective over tp: on every rank alike)
-        if (grad is None) != (want is None):
-            mismatches.append((0, order[name], f"gradient of {name}: {'missing' if grad is None else 'unexpected'}"))
-        elif grad is not None and not _close(grad, want, tol):
-            mismatches.append((0, order[name], f"gradient of {name} differs by {_error(grad, want)}"))
-        full, expected = _full(p, p.data, group), ref_params[name].data
-        if not _close(full, expected, tol):
-            mismatches.append((1, order[name], f"parameter {name} after AdamW differs by "
-                               f"{_error(full, expected)}" + _at_gradient(full, expected, grad, want)))
+    mismatches += _param_mismatches(model.unwrap(), reference, ref_grads, plugin.tp_group if tp > 1 else None, tol)
     everyone = [None] * world
     dist.all_gather_object(everyone, min(mismatches) if mismatches else None)
     found = sorted(m for m in everyone if m is not None)
     if found:
         return Verdict("fail", found[0][2], loss_error)
     return Verdict("pass", "", loss_error)
+
+
+def _param_mismatches(sharded: nn.Module, reference: nn.Module, ref_grads: Dict[str, torch.Tensor], group,
+                      tol: float) -> List[Tuple[int, int, str]]:
+    """(0 gradient / 1 parameter after the step, model order, message) of each parameter of `sharded` that differs
+    from `reference`'s (collective over tp: on every rank alike)."""
+    order = {n: i for i, (n, _) in enumerate(reference.named_parameters(remove_duplicate=False))}
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    found = []
+    for name, p in sharded.named_parameters():
+        grad, want = p.grad, ref_grads.get(name)
+        grad = _full(p, grad, group) if grad is not None else None
+        if (grad is None) != (want is None):
+            found.append((0, order[name], f"gradient of {name}: {'missing' if grad is None else 'unexpected'}"))
+        elif grad is not None and not _close(grad, want, tol):
+            found.append((0, order[name], f"gradient of {name} differs by {_error(grad, want)}"))
+        full, expected = _full(p, p.data, group), ref_params[name].data
+        if not _close(full, expected, tol):
+            found.append((1, order[name], f"parameter {name} after AdamW differs by "
+                          f"{_error(full, expected)}" + _at_gradient(full, expected, grad, want)))
+    return found
 
 
 def _at_gradient(actual, expected, grad, want) -> str:

@@ -1,4 +1,6 @@
-"""Parallelformers-style policies (`Policy` with `Layer` lists per block class), translated into our `Policy`.
+"""Parallelformers-style policies (Parallelformers' `Policy`, here `ParallelformersPolicy`, with `Layer` lists per
+block class), translated into our `Policy` (one of the policy front-ends beside hand-written policies, transformers'
+own plans and Paddle-style plans).
 
 A Parallelformers policy describes one block class: which of its weights are the attention q/k/v and output and
 the MLP input and output projections, which attributes change under tensor parallelism (`replace_arguments`) and
@@ -14,8 +16,11 @@ from typing import Any, Dict, List, Optional, Sequence, Type, Union
 
 from torch import nn
 
-from .policies.base import Colwise, ParallelStyle, Policy as ShardPolicy, Rowwise
-from .policies.derive import derive_entry_exit, find_layer_lists
+from ..layer.conv1d import is_conv1d
+from ..paths import find_submodule
+from ..styles import Colwise, ParallelStyle, Rowwise
+from .base import Policy
+from .derive import derive_entry_exit, find_layer_lists
 
 
 @dataclass
@@ -39,8 +44,8 @@ class Layer:
     ignore_checker: bool = False
 
 
-class Policy(ABC):
-    """Parallelformers' policy for one block class; override the static methods that apply."""
+class ParallelformersPolicy(ABC):
+    """Parallelformers' policy (its `Policy`) for one block class; override the static methods that apply."""
 
     @staticmethod
     def replace_arguments(config, world_size: int) -> Dict[str, Any]:
@@ -74,7 +79,7 @@ class Policy(ABC):
         """The block class this policy applies to, e.g. GPT2Block."""
 
 
-PolicyLike = Union[Type[Policy], Policy]
+PolicyLike = Union[Type[ParallelformersPolicy], ParallelformersPolicy]
 _ALL_REDUCE_NAMES = ("AllReduceLinear", "AllReduceConv1D")
 
 
@@ -82,15 +87,7 @@ def _module_path(name: str) -> str:
     return name.replace("[", ".").replace("]", "").rpartition(".")[0]
 
 
-def _is_reversed(module: nn.Module) -> bool:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:
-        return False
-    return isinstance(module, Conv1D)
-
-
-class TranslatedPolicy(ShardPolicy):
+class TranslatedPolicy(Policy):
     """Our Policy made from Parallelformers policies; derives everything from the model in `set_model`.
 
     Args:
@@ -167,15 +164,14 @@ class TranslatedPolicy(ShardPolicy):
                              f"attn_out()/mlp_out(), not {method}().")
         present = 0
         for block in layers:
-            try:
-                module = block.get_submodule(path)
-            except AttributeError:
+            module = find_submodule(block, path)
+            if module is None:
                 continue
             present += 1
-            if not isinstance(module, nn.Linear) and not _is_reversed(module):
+            if not isinstance(module, nn.Linear) and not is_conv1d(module):
                 raise TypeError(f"{what}: {type(module).__name__} is neither nn.Linear nor transformers Conv1D.")
-            if layer.reversed is not None and bool(layer.reversed) != _is_reversed(module):
-                stored = "(in, out) as Conv1D" if _is_reversed(module) else "(out, in) as nn.Linear"
+            if layer.reversed is not None and bool(layer.reversed) != is_conv1d(module):
+                stored = "(in, out) as Conv1D" if is_conv1d(module) else "(out, in) as nn.Linear"
                 raise ValueError(f"{what}: reversed={layer.reversed} but {type(block).__name__}.{path} stores its "
                                  f"weight {stored}: set reversed={not layer.reversed}.")
             if layer.bias is not None and getattr(module, "bias", None) is None:
@@ -196,9 +192,8 @@ class TranslatedPolicy(ShardPolicy):
             for key, value in policy.replace_arguments(config, tp_size).items():
                 owner, _, attr = key.rpartition(".")
                 for block in blocks:
-                    try:
-                        module = block.get_submodule(owner) if owner else block
-                    except AttributeError:
+                    module = find_submodule(block, owner)
+                    if module is None:
                         continue  # e.g. cross-attention this configuration does not build
                     if not hasattr(module, attr):
                         raise ValueError(f"replace_arguments: {type(block).__name__}.{key} does not exist.")
@@ -213,20 +208,22 @@ class TranslatedPolicy(ShardPolicy):
                         self.tp_attributes[pattern] = attrs + (attr,)
 
 
-def as_policy(policy: Union[None, ShardPolicy, PolicyLike, Sequence[PolicyLike]]) -> Optional[ShardPolicy]:
+def as_policy(policy: Union[None, Policy, PolicyLike, Sequence[PolicyLike]]) -> Optional[Policy]:
     """Our Policy for `HybridParallelPlugin(custom_policy=...)`: ours as is, Parallelformers ones translated.
 
     Args:
         policy: None, a `shardformer.Policy`, or a Parallelformers policy class/instance or a list of them.
     """
-    if policy is None or isinstance(policy, ShardPolicy):
+    if policy is None or isinstance(policy, Policy):
         return policy
     many = list(policy) if isinstance(policy, (list, tuple)) else [policy]
     for p in many:
-        if isinstance(p, type) and issubclass(p, ShardPolicy):
+        if isinstance(p, type) and issubclass(p, Policy):
             raise TypeError(f"custom_policy must be a shardformer.Policy instance, got the class {p.__name__} "
                             f"(pass an instance: custom_policy={p.__name__}()).")
-        if not (isinstance(p, Policy) or (isinstance(p, type) and issubclass(p, Policy))):
+        block_policy = isinstance(p, type) and issubclass(p, ParallelformersPolicy)
+        if not (isinstance(p, ParallelformersPolicy) or block_policy):
             raise TypeError(f"custom_policy must be a shardformer.Policy instance or Parallelformers-style policies "
-                            f"(shardformer.parallelformers.Policy subclasses), got {type(p).__name__}.")
+                            f"(shardformer.policies.from_parallelformers.ParallelformersPolicy subclasses), got "
+                            f"{type(p).__name__}.")
     return TranslatedPolicy(many)

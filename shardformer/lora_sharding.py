@@ -21,10 +21,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from .layer.comm import get_tp_rank, get_tp_world_size
+from .layer.dropout import wrap_module_forward_in_local_rng, wrap_module_forward_in_shared_rng
 from .layer.linear import ColumnParallelLinear, RowParallelLinear
+from .layer.region import enter_region
 from .layer.replicated import sum_grads_over_tp
 from .layer.spec import TPSpec, shard_parameter
-from .layer.region import enter_region
+from .styles import Colwise, GradAllReduce, KVHeads, Rowwise
 
 __all__ = ["LoRAShardingError", "is_lora_layer", "is_modules_to_save", "native_module", "shards_adapters",
            "check_lora_layers", "shard_lora_layer"]
@@ -63,8 +65,6 @@ def native_module(module: nn.Module) -> nn.Module:
 def _replaces(style) -> bool:
     """Does `style` replace the module (styles that keep it whole, replicated with summed gradients or KVHeads, act on
     a wrapper as on any module)?"""
-    from .policies.base import GradAllReduce, KVHeads
-
     return style is not None and not isinstance(style, (GradAllReduce, KVHeads))
 
 
@@ -91,8 +91,6 @@ def check_lora_layers(model: nn.Module, style_of: Callable[[str], object]) -> No
 
 
 def _check_lora_layer(path: str, layer: nn.Module, style) -> None:
-    from .policies.base import Colwise, Rowwise
-
     fix = (f"Leave '{path.rpartition('.')[2]}' out of LoraConfig.target_modules (or use tp_size=1 for this "
            f"adapter).")
     if isinstance(style, Colwise) and style.gather_output:
@@ -113,9 +111,6 @@ def _check_lora_layer(path: str, layer: nn.Module, style) -> None:
 def shard_lora_layer(layer: nn.Module, style, group: Optional[ProcessGroup], rng_tracker=None) -> None:
     """Shard a peft LoRA layer in place: its base layer by `style` (Colwise / Rowwise, as the plan says for the
     module it wraps) and every adapter consistently with it (see the module docstring)."""
-    from .layer.dropout import wrap_module_forward_in_local_rng, wrap_module_forward_in_shared_rng
-    from .policies.base import Colwise
-
     rank, world = get_tp_rank(group), get_tp_world_size(group)
     base = layer.get_base_layer()
     split_input = False

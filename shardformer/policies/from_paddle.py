@@ -1,4 +1,5 @@
-"""Paddle-style parallel plans (`parallelize_plan`, `split_spec`) translated into our `Policy`.
+"""Paddle-style parallel plans (`parallelize_plan`, `split_spec`) translated into our `Policy` (one of the policy
+front-ends beside hand-written policies, transformers' own plans and Parallelformers-style block policies).
 
 A plan maps module or parameter names (model-relative; `*` is one name component, or a regular expression) to
 `ColWiseParallel()` / `RowWiseParallel()`; `split_spec` names the layer list to split evenly, or split points.
@@ -20,9 +21,12 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
-from .policies.auto_policy import SUPPORTED_MODELS
-from .policies.base import Colwise, ParallelStyle, Policy, Rowwise, VocabEmbedding, VocabHead, _has, match
-from .policies.derive import derive_entry_exit
+from ..layer.conv1d import is_conv1d
+from ..paths import base_prefix, find_submodule, match, split_at_base
+from ..styles import Colwise, ParallelStyle, Rowwise, VocabEmbedding, VocabHead
+from .auto_policy import SUPPORTED_MODELS
+from .base import Policy
+from .derive import derive_entry_exit
 
 
 @dataclass(frozen=True)
@@ -87,19 +91,11 @@ def _matches(pattern: str, name: str) -> bool:
         return False
 
 
-def _is_linear(module: nn.Module) -> bool:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:
-        Conv1D = nn.Linear
-    return isinstance(module, (nn.Linear, Conv1D))
-
-
 def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> Dict[str, ParallelStyle]:
     """{model-relative module path: our style} for a Paddle `parallelize_plan`; refuses what does not map."""
     modules = dict(model.named_modules())
     params = {n: n.rpartition(".")[0] for n, _ in model.named_parameters(remove_duplicate=False)}
-    base_prefix = _base_prefix(model)
+    prefix = base_prefix(model)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     resolved: Dict[str, ParallelStyle] = {}
     for pattern, entry in plan.items():
@@ -119,7 +115,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object]) -> Dict[str, Para
         if len(styles) != 1:
             raise ValueError(f"parallelize_plan[{pattern!r}]: give one ColWiseParallel() or RowWiseParallel().")
         for path in targets:
-            in_base = not base_prefix or path.startswith(base_prefix)
+            in_base = path.startswith(prefix)
             ours = _our_style(path, modules[path], styles[0], in_base=in_base, vocab=vocab)
             if resolved.get(path, ours) != ours:
                 raise ValueError(f"parallelize_plan: {path} is given two different plans ({pattern!r}).")
@@ -133,7 +129,7 @@ def _our_style(path: str, module: nn.Module, style, in_base: bool, vocab: Option
             return VocabEmbedding()
         raise NotImplementedError(f"parallelize_plan: ColWiseParallel on the embedding {path} splits its hidden "
                                   f"dimension, which is not supported; RowWiseParallel splits its vocabulary.")
-    if not _is_linear(module):
+    if not isinstance(module, nn.Linear) and not is_conv1d(module):
         raise NotImplementedError(f"parallelize_plan: {path} is a {type(module).__name__}; plans apply to "
                                   f"Linear/Conv1D layers and Embeddings.")
     if isinstance(style, RowWiseParallel):
@@ -144,19 +140,11 @@ def _our_style(path: str, module: nn.Module, style, in_base: bool, vocab: Option
     return Colwise(gather_output=style.gather_output)
 
 
-def _base_prefix(model: nn.Module) -> str:
-    base = getattr(model, "base_model", model)
-    if base is model:
-        return ""
-    return next(name + "." for name, m in model.named_modules() if m is base)
-
-
 def resolve_split(model: nn.Module, split_spec: Union[str, Mapping[str, SplitPoint]],
                   pp_size: int) -> Tuple[str, Optional[List[int]]]:
     """(model-relative layer list path, layers per stage or None for an even split) for a Paddle `split_spec`."""
     if isinstance(split_spec, str):
-        layers = model.get_submodule(split_spec) if _has(model, split_spec) else None
-        if not isinstance(layers, nn.ModuleList):
+        if not isinstance(find_submodule(model, split_spec), nn.ModuleList):
             raise ValueError(f"split_spec={split_spec!r} is not a list of layers of {type(model).__name__}.")
         return split_spec, None
     bounds = set()
@@ -191,8 +179,7 @@ def _first_layer_list(base: nn.Module) -> str:
     return lists[0]
 
 
-
-class PlanPolicy(Policy):
+class PaddlePlanPolicy(Policy):
     """Our Policy for a resolved plan and split.
 
     Args:
@@ -208,9 +195,8 @@ class PlanPolicy(Policy):
         super().__init__()
         known_cls = SUPPORTED_MODELS.get(type(model).__name__)
         self.known = known_cls() if known_cls is not None else None
-        prefix = _base_prefix(model)
-        self.tp_plan = {p[len(prefix):]: s for p, s in styles.items() if p.startswith(prefix)}
-        self.head_tp_plan = {p: s for p, s in styles.items() if not p.startswith(prefix)}
+        prefix = base_prefix(model)
+        self.tp_plan, self.head_tp_plan = split_at_base(styles, prefix)
         if layers and not layers.startswith(prefix):
             raise ValueError(f"split_spec={layers!r} is outside the base model ({prefix.rstrip('.')}).")
         # the list a pipeline splits; without one (pp=1) the built-in policy's or the base model's first list

@@ -1,4 +1,4 @@
-"""python -m shardformer.check MODEL_CLASS_OR_CONFIG_DIR --tp 2 --pp 2 [--policy module:Class]
+"""python -m hp_check MODEL_CLASS_OR_CONFIG_DIR --tp 2 --pp 2 [--policy module:Class]
 
 Builds the model (a tiny config of the class with random weights, or the config in a directory) on tp * pp CPU
 processes, trains one step sharded and unsharded, and reports whether loss, gradients and parameters after AdamW
@@ -37,7 +37,7 @@ def _run(target: str, tp: int, pp: int, policy_path: Optional[str]):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardformer.check", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="python -m hp_check", description=__doc__.split("\n\n")[1])
     parser.add_argument("model", help="model class name (e.g. Qwen3ForCausalLM), module:Class, or a config directory")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)

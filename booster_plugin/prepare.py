@@ -1,0 +1,152 @@
+"""Model preparation, in order, on one screen: what `boost` does to a model and its optimizer.
+
+1. checks that must fail alike on every rank (the optimizer ZeRO can step, a model not boosted before, the same
+   model on every rank);
+2. the policy (ours, derived from transformers' plans, or the user's) and the unsharded layout for checkpoints;
+3. sharding in place (tensor-parallel layers, this rank's pipeline stage), split backward for the V schedules,
+   activation checkpointing, the precision, lazy parameters materialized on the device;
+4. the boosted module (data-parallel buckets, parameters shared by stages), replicas made identical, guards on
+   calls outside the schedule and on optimizers that skip boost;
+5. the optimizer pointed at this rank's parameters and wrapped (ZeRO, master weights, loss scaling, clipping).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from pipeline import PipelineStageManager
+from pipeline.context import ParallelContext
+from pipeline.styles import ScheduleStyle
+from pipeline.trace import ScheduleTracer
+from shardformer.layer.split_weight_grads import prepare_split_backward
+from shardformer.policies import Policy, get_autopolicy
+from shardformer.sharder import ShardConfig, Sharder
+
+from .activation_checkpoint import apply_activation_checkpointing
+from .batch_check import BatchLimits, DirectCallCheck, label_vocab_of, vocab_of
+from .config import PrecisionConfig, ShardingConfig
+from .failure import FailureGuard
+from .lora import LoRAState, adapter_file_keys, materialize_adapters, split_peft_model
+from .mixed_precision import DynamicLossScaler
+from .optimizer import HybridParallelOptimizer
+from .optimizer_guard import guard_parameters
+from .parallel_module import HybridParallelModule, ModelInfo, SharedParam
+from .stage_calls import refuse_calls_outside_schedule
+from .usage_checks import agree_on_model, refuse_boosted_twice, remember_boosted
+from .zero import ZeroOptimizer, check_zero_optimizer
+
+__all__ = ["PrepareOptions", "prepare_model"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """The plugin's settings model preparation reads."""
+    sharding: ShardingConfig
+    precision: PrecisionConfig
+    style: ScheduleStyle          # the pipeline schedule's style (its backward may be split)
+    check_batches: bool
+    device: torch.device
+
+
+def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], opts: PrepareOptions,
+                  ctx: ParallelContext, stage_manager: PipelineStageManager, failure_guard: FailureGuard,
+                  tracer: Optional[ScheduleTracer]) -> Tuple[HybridParallelModule, Optional[HybridParallelOptimizer]]:
+    """Shard `model` in place for this rank and wrap it (and `optimizer`, built over its parameters); collective."""
+    if optimizer is not None and opts.precision.zero_stage > 0:
+        check_zero_optimizer(optimizer, opts.precision.zero_stage)
+    model, peft_model = split_peft_model(model)  # a LoRA model: shard the transformers model inside it
+    refuse_boosted_twice(model)
+    agree_on_model(peft_model if peft_model is not None else model)  # the same model on every rank
+    lora = None
+    if peft_model is not None:
+        materialize_adapters(peft_model)  # built on the meta device: peft's own init for the small adapters
+        lora = LoRAState(peft_model, adapter_file_keys(peft_model))
+    param_names: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):  # a tied parameter has several names
+        param_names.setdefault(id(p), []).append(name)
+    policy = opts.sharding.custom_policy if opts.sharding.custom_policy is not None else get_autopolicy(model)
+    # the unsharded layout (names, shapes, dtypes), for checkpoints in HF format; what batches the model accepts
+    info = ModelInfo(policy, {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)},
+                     BatchLimits(vocab_of(model), label_vocab_of(model),
+                                 sequence_multiple=ctx.tp.size if opts.sharding.sp_mode else 1), lora)
+    sharder, shared_names = _shard(model, policy, opts, ctx, stage_manager)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    shared = []
+    for names in shared_names:  # every rank creates every group, in the same order
+        stages = sorted(names)
+        group = ctx.group_over(ctx.pp, stages)
+        if ctx.pp.rank in names:
+            shared.append(SharedParam(params[names[ctx.pp.rank]], group, ctx.pp.rank == stages[0]))
+    module = HybridParallelModule(model, sharder.stage_forward, ctx, info, shared, opts.precision.zero_stage,
+                                  bucket_bytes=opts.precision.bucket_bytes, failure_guard=failure_guard)
+    module.sync_params()
+    if ctx.pp.size > 1:  # a stage alone cannot run the model: only the schedule may call it
+        refuse_calls_outside_schedule((module, model), stage_manager)
+    if opts.check_batches and ctx.tp.size > 1 and ctx.pp.size == 1:  # `model(**batch)` agrees over tp first
+        module.register_forward_pre_hook(DirectCallCheck(info.batch_limits, ctx.dp.rank, ctx.tp.group, opts.device),
+                                         with_kwargs=True)
+    guard_parameters(module)  # an optimizer that skips boost is refused at its step
+    if optimizer is None:
+        return module, None
+    _rebind_optimizer(optimizer, param_names, params)
+    wrapper = ZeroOptimizer if opts.precision.zero_stage > 0 else HybridParallelOptimizer
+    scaler = DynamicLossScaler(opts.precision.scaler, opts.device) if opts.precision.precision == "fp16" else None
+    return module, wrapper(optimizer, module, opts.precision.max_norm, tracer=tracer,
+                           master_dtype=torch.float32 if opts.precision.precision != "fp32" else None, scaler=scaler,
+                           on_nonfinite=opts.precision.on_nonfinite)
+
+
+def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: ParallelContext,
+           stage_manager: PipelineStageManager) -> Tuple[Sharder, List[Dict[int, str]]]:
+    """Step 3: the model becomes this rank's shard, on the device; returns the sharder and the shared names."""
+    rng_tracker = None
+    if ctx.tp.size > 1:
+        from shardformer.layer.dropout import TPRNGTracker
+        rng_tracker = TPRNGTracker(opts.device)
+        # dropout masks the same across tp, not dp; drawn from the tracker, the script's global RNG is left alone
+        rng_tracker.sync(ctx.tp.group, opts.sharding.seed + ctx.dp.rank)
+    shard_config = ShardConfig(
+        tensor_parallel_process_group=ctx.tp.active,
+        pipeline_stage_manager=stage_manager if ctx.pp.size > 1 else None,
+        parallel_output=opts.sharding.parallel_output,
+        make_vocab_size_divisible_by=opts.sharding.make_vocab_size_divisible_by, rng_tracker=rng_tracker,
+        enable_sequence_parallelism=opts.sharding.sp_mode is not None, sequence_parallelism_mode=opts.sharding.sp_mode)
+    sharder = Sharder(model, policy, shard_config)
+    if opts.sharding.custom_policy is not None:  # a plan written by hand: an entry matching nothing is a typo
+        policy.check_plan()
+    shared_names = sharder.shard()
+    remember_boosted(model)  # sharded in place: boosting this object again is refused
+    if opts.style.splits_backward:  # their backward is split into I and W (pipeline/split_backward.py)
+        prepare_split_backward(model)
+    per_stage = policy.layers_per_stage() if ctx.pp.size > 1 else [policy.num_layers()]
+    layout = stage_manager.layout  # checkpointing counts per pipeline rank: a rank's chunks together
+    apply_activation_checkpointing(model, list(policy.layer_list()), ctx.pp.rank,
+                                   [sum(per_stage[s] for s in layout.stages_of(r)) for r in range(ctx.pp.size)],
+                                   opts.sharding.gradient_checkpoint_config, rng_tracker)
+    if opts.precision.precision in _DTYPES:
+        model.to(_DTYPES[opts.precision.precision])
+    sharder._materialize(opts.device)  # lazy init: a model built on the meta device gets only this rank's shard
+    model.to(opts.device)
+    return sharder, shared_names
+
+
+def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: Dict[int, list], params: Dict[str, nn.Parameter]) -> None:
+    """Point the optimizer at this stage's (possibly re-created, sharded) parameters, by name; drop the rest."""
+    if optimizer.state:
+        raise ValueError("Boost the optimizer before its first step: it already has state for unsharded parameters.")
+    for group in optimizer.param_groups:
+        rebound, seen = [], set()
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError("The optimizer holds a parameter that is not in the model: build the optimizer "
+                                 "from model.parameters() before boosting.")
+            new = next((params[n] for n in names[id(p)] if n in params), None)
+            if new is not None and id(new) not in seen:
+                rebound.append(new)
+                seen.add(id(new))
+        group["params"] = rebound

@@ -1,0 +1,145 @@
+"""The style table: what each tensor-parallel style does to the module a plan entry names — replace it by a
+parallel layer, or hook it in place — and the split of raw parameters (SplitParam). A LoRA layer whose base layer
+a style replaces is sharded with its adapters (lora_sharding.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Type
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from .layer.dropout import TPRNGTracker
+from .layer.embedding import VocabParallelEmbedding, vocab_parallel_lm_head
+from .layer.experts import split_experts
+from .layer.head_embedding import HeadParallelEmbedding
+from .layer.linear import ColumnParallelLinear, RowParallelLinear
+from .layer.loss import parallel_causal_lm_loss
+from .layer.replicated import keep_own_head, sum_grads_over_tp, sum_tail_grad_over_tp
+from .layer.spec import TPSpec, padded_size, shard_parameter
+from .layer.vocab_split import shard_embedding_in_place
+from .lora_sharding import shard_lora_layer, shards_adapters
+from .stage import Released, get_submodule_parent, replace_submodule
+from .styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, ParallelStyle, Rowwise, SharedTailGrad,
+                     SplitParam, VocabEmbedding, VocabHead)
+
+__all__ = ["TPContext", "STYLE_TABLE", "apply_styles"]
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """What the styles need besides the module: the model (a vocab-parallel head sets its loss), the tp group, the
+    plugin's vocabulary options and the dropout RNG tracker (LoRA dropout)."""
+    model: nn.Module
+    group: ProcessGroup
+    tp_size: int
+    vocab_multiple: int
+    parallel_output: bool
+    rng_tracker: Optional[TPRNGTracker]
+
+
+# a style applied to a module: its replacement, or None when the module was changed in place
+Applier = Callable[[nn.Module, ParallelStyle, TPContext], Optional[nn.Module]]
+
+
+def _column(module: nn.Module, style: Colwise, ctx: TPContext) -> nn.Module:
+    return ColumnParallelLinear.from_native_module(module, ctx.group, gather_output=style.gather_output,
+                                                   n_fused=style.n_fused)
+
+
+def _row(module: nn.Module, style: Rowwise, ctx: TPContext) -> nn.Module:
+    return RowParallelLinear.from_native_module(module, ctx.group, input_is_parallel=not style.split_input)
+
+
+def _grad_all_reduce(module: nn.Module, style: GradAllReduce, ctx: TPContext) -> None:
+    sum_grads_over_tp(module, ctx.group)
+
+
+def _kv_heads(module: nn.Module, style: KVHeads, ctx: TPContext) -> None:
+    keep_own_head(module, style.num_heads, ctx.group)
+
+
+def _shared_tail(module: nn.Module, style: SharedTailGrad, ctx: TPContext) -> None:
+    sum_tail_grad_over_tp(module, style.features, ctx.group)
+
+
+def _experts(module: nn.Module, style: Experts, ctx: TPContext) -> None:
+    split_experts(module, ctx.group)
+
+
+def _vocab_embedding(module: nn.Module, style: VocabEmbedding, ctx: TPContext) -> Optional[nn.Module]:
+    if type(module).forward is not nn.Embedding.forward:  # its own forward (e.g. scaled) on local ids
+        shard_embedding_in_place(module, ctx.group, ctx.vocab_multiple)
+        return None
+    return VocabParallelEmbedding.from_native_module(module, ctx.group, make_vocab_size_divisible_by=ctx.vocab_multiple)
+
+
+def _vocab_head(module: nn.Module, style: VocabHead, ctx: TPContext) -> nn.Module:
+    gather = style.gather_output or not ctx.parallel_output
+    padded = padded_size(module.out_features, ctx.tp_size, ctx.vocab_multiple)
+    head = vocab_parallel_lm_head(module, ctx.group, gather_output=gather, padded_vocab=padded)
+    if not gather:  # the model's own loss must then be the vocab-parallel cross-entropy
+        head.gather_output_in_eval = True
+        ctx.model.loss_function = _ParallelCausalLMLoss(ctx.group, head.output_start, module.out_features)
+    return head
+
+
+def _head_embedding(module: nn.Module, style: HeadEmbedding, ctx: TPContext) -> nn.Module:
+    return HeadParallelEmbedding(module, ctx.group)
+
+
+STYLE_TABLE: Dict[Type[ParallelStyle], Applier] = {
+    Colwise: _column,
+    Rowwise: _row,
+    GradAllReduce: _grad_all_reduce,
+    KVHeads: _kv_heads,
+    SharedTailGrad: _shared_tail,
+    Experts: _experts,
+    VocabEmbedding: _vocab_embedding,
+    VocabHead: _vocab_head,
+    HeadEmbedding: _head_embedding,
+}
+
+
+def _applier(style: ParallelStyle, path: str) -> Applier:
+    found = next((STYLE_TABLE[t] for t in type(style).__mro__ if t in STYLE_TABLE), None)
+    if found is None:
+        raise TypeError(f"Unknown parallel style {style!r} for {path}.")
+    return found
+
+
+def apply_styles(ctx: TPContext, style_of: Callable[[str], Optional[ParallelStyle]]) -> None:
+    """Apply each module's style (`style_of(model-relative path)`) in place of `ctx.model`, then split the raw
+    parameters a plan names (e.g. attention sinks, stacked experts)."""
+    model = ctx.model
+    for path, module in list(model.named_modules()):
+        style = style_of(path)
+        if style is None or isinstance(module, Released) or not list(module.parameters()):
+            continue
+        if shards_adapters(module, style):
+            shard_lora_layer(module, style, ctx.group, ctx.rng_tracker)  # base layer and adapters, in place
+            continue
+        new = _applier(style, path)(module, style, ctx)
+        if new is not None:
+            replace_submodule(model, path, new)
+    for name, p in list(model.named_parameters()):
+        style = style_of(name)
+        if isinstance(style, SplitParam):
+            parent, attr = get_submodule_parent(model, name)
+            spec = TPSpec(style.dim % p.dim(), style.n_fused)
+            setattr(parent, attr, shard_parameter(p, spec, dist.get_rank(ctx.group), ctx.tp_size))
+
+
+class _ParallelCausalLMLoss:
+    """`model.loss_function` for a vocab-parallel LM head: same semantics as transformers' ForCausalLMLoss."""
+
+    def __init__(self, group: ProcessGroup, vocab_start: int, vocab_size: int) -> None:
+        self.group, self.vocab_start, self.vocab_size = group, vocab_start, vocab_size
+
+    def __call__(self, logits, labels, vocab_size=None, **kwargs):
+        if logits.shape[-1] == self.vocab_size:  # eval mode: the head gathered the full logits
+            from transformers.loss.loss_utils import ForCausalLMLoss
+            return ForCausalLMLoss(logits, labels, vocab_size=self.vocab_size, **kwargs)
+        return parallel_causal_lm_loss(logits, labels, vocab_size=self.vocab_size, tp_group=self.group,
+                                       vocab_start=self.vocab_start, **kwargs)

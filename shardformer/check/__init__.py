@@ -1,4 +1,0 @@
-"""Policy checker: does a model (or a custom policy) train exactly under tp x pp? See `python -m shardformer.check`."""
-from .compare import Verdict, compare
-
-__all__ = ["Verdict", "compare"]

@@ -1,0 +1,136 @@
+"""A Policy for encoder-decoder models (T5, BART): the pipeline splits the encoder's layers followed by the decoder's
+over the stages; the policy declares its own stage pruning (`release_unheld_layers`), whose stage runs the model's
+own forward (see encoder_decoder_stage.py)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+from ..encoder_decoder_stage import SKIP_FIRST, EncoderDecoderStage, SkipFirstCall, StageInput
+from ..layer_bounds import stage_of_layer
+from ..stage import (INPUT, Released, _hidden_size, get_submodule_parent, held_layer_list, replace_submodule,
+                     stand_in_for)
+from .base import Policy
+
+__all__ = ["SKIP_FIRST", "EncoderDecoderPolicy"]
+
+
+class EncoderDecoderPolicy(Policy):
+    """A Policy for encoder-decoder models; subclasses fill in the class attributes (base-relative paths)."""
+
+    encoder_layers: str = ""                           # e.g. "encoder.block"
+    decoder_layers: str = ""
+    encoder_entry: Dict[str, str] = {}                 # module -> stand-in kind where the encoder starts later
+    decoder_entry: Dict[str, str] = {}
+    encoder_exit: Sequence[str] = ()                   # run once, after the last encoder layer
+    decoder_exit: Sequence[str] = ()                   # last stage only (with the LM head)
+    entry_attributes: Dict[str, Dict[str, Any]] = {}   # stack -> attributes set where its entry is stood in
+    carried: Dict[str, Tuple[int, int]] = {}           # value -> (layer's positional argument, layer output index)
+
+    # -- structure over the two stacks ----------------------------------------------------------------------
+    def _stack_sizes(self) -> Tuple[int, int]:
+        if self._sizes is None:
+            base = self.model.base_model
+            self._sizes = (len(base.get_submodule(self.encoder_layers)), len(base.get_submodule(self.decoder_layers)))
+        return self._sizes
+
+    def set_model(self, model: nn.Module) -> None:
+        super().set_model(model)
+        self._sizes: Optional[Tuple[int, int]] = None  # (encoder, decoder) layers of the unsharded model
+
+    def num_layers(self) -> int:
+        return sum(self._stack_sizes())
+
+    def layer_list(self) -> nn.ModuleList:
+        """The (held) encoder layers followed by the (held) decoder layers."""
+        base = self.model.base_model
+        return nn.ModuleList([*base.get_submodule(self.encoder_layers), *base.get_submodule(self.decoder_layers)])
+
+    def _stage_of_layer(self, index: int) -> int:
+        return stage_of_layer(self.layers_per_stage(), index)
+
+    def stage_of_param(self, name: str) -> Optional[Tuple[int, ...]]:
+        n, prefix = self.stage_manager.num_stages, self.base_prefix
+        n_enc = self._stack_sizes()[0]
+        for layers, offset in ((self.encoder_layers, 0), (self.decoder_layers, n_enc)):
+            if name.startswith(prefix + layers + "."):
+                return (self._stage_of_layer(offset + int(name[len(prefix + layers) + 1:].split(".")[0])),)
+
+        def under(paths) -> bool:
+            return any(name.startswith(prefix + p + ".") for p in paths)
+        if under(self.encoder_entry):
+            return (0,)
+        if under(self.decoder_entry):
+            return (self._stage_of_layer(n_enc),)
+        if under(self.encoder_exit):
+            return (self._stage_of_layer(n_enc - 1),)
+        if under(self.decoder_exit) or not name.startswith(prefix):
+            return (n - 1,)
+        return tuple(range(n))
+
+    def get_held_layers(self) -> List[nn.Module]:
+        """The modules owning parameters this rank's stage holds."""
+        owners = {name.rpartition(".")[0] for name, _ in self.model.named_parameters(remove_duplicate=False)
+                  if self.stage_manager.stage in self.stage_of_param(name)}
+        return [self.model.get_submodule(name) for name in sorted(owners)]
+
+    # -- releasing what the stage does not hold -------------------------------------------------------------
+    def release_unheld_layers(self) -> Optional[EncoderDecoderStage]:
+        """Prune the model to this stage (see the module docstring); the callable that runs the stage."""
+        sm, base, prefix = self.stage_manager, self.model.base_model, self.base_prefix
+        n_enc, n_dec = self._stack_sizes()
+        start, end = sm.get_stage_index(self.layers_per_stage())
+        stacks = ((self.encoder_layers, self.encoder_entry, self.encoder_exit, 0, n_enc),
+                  (self.decoder_layers, self.decoder_entry, self.decoder_exit, n_enc, n_dec))
+        stage_input, carry_into, exit_module, capture, exit_is_encoder = None, None, None, None, False
+        skip_first: List[SkipFirstCall] = []
+        for layers, entry, exit, offset, size in stacks:
+            lo, hi = max(start - offset, 0), min(end - offset, size)
+            held = lo < hi
+            full = base.get_submodule(layers)
+            stack = base.get_submodule(layers.rpartition(".")[0])
+            if held and lo > 0:  # starts inside this stack: stand-ins for its entry, carried values into layer lo
+                for path, kind in entry.items():
+                    stand_in = self._replace(base, path, lambda m, kind=kind: SkipFirstCall(m) if kind == SKIP_FIRST
+                                             else StageInput(*_hidden_size(m)) if kind == INPUT
+                                             else stand_in_for(kind, m))
+                    if isinstance(stand_in, StageInput) and kind == INPUT:
+                        stage_input = stand_in
+                    elif isinstance(stand_in, SkipFirstCall):
+                        skip_first.append(stand_in)
+                for attr, value in self.entry_attributes.get(layers.rpartition(".")[0], {}).items():
+                    setattr(stack, attr, value)
+                carry_into = full[lo]
+            elif not held:  # the stack does not run here
+                for path in entry:
+                    self._replace(base, path, lambda m, path=path: Released(prefix + path))
+            ends_stack = held and hi == size
+            if not ends_stack:
+                for path in exit:
+                    self._replace(base, path, lambda m, path=path: Released(prefix + path))
+            if held and not ends_stack:
+                exit_module = full[hi - 1]
+            if offset == 0 and ends_stack and not sm.is_last_stage():
+                if end == n_enc:
+                    exit_module, exit_is_encoder = stack, True  # leave with the encoder's output
+                else:
+                    capture = stack  # the decoder layers here need it; later stages get it too
+            replace_submodule(base, layers, held_layer_list(full, range(lo, hi)))  # empty where not held
+        if not sm.is_last_stage():
+            for name in self.head_modules():
+                setattr(self.model, name, Released(name))
+        if sm.is_first_stage() and sm.is_last_stage():
+            return None
+        return EncoderDecoderStage(self.model, stage_input, carry_into, self.carried, exit_module, exit_is_encoder,
+                                   capture, skip_first)
+
+    @staticmethod
+    def _replace(base: nn.Module, path: str, make) -> Optional[nn.Module]:
+        parent, name = get_submodule_parent(base, path)
+        original = getattr(parent, name, None)
+        if original is None or isinstance(original, (Released, StageInput)):
+            return None
+        new = make(original)
+        replace_submodule(base, path, new)
+        return new

@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 import torch.distributed as dist
 
+from .failure import FailureGuard
+
 __all__ = ["BatchLimits", "DirectCallCheck", "agree_on_batch", "batch_agreed", "vocab_of", "label_vocab_of"]
 
 OK, BAD_ID, BAD_LABEL, BAD_SPLIT, BAD_LENGTH, BAD_MASK = 0, 1, 2, 3, 4, 5
@@ -159,11 +161,15 @@ def agree_on_batch(batch: Any, limits: BatchLimits, split: Callable[[Any], int],
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     try:
         dist.all_gather(rows, mine, group=group)
-    except RuntimeError as error:  # a peer left (its script ended) or is in another collective
-        raise RuntimeError(f"The per-step batch agreement failed: another rank has left the job or is not taking this "
-                           f"step ({error}). Every rank must run the same number of steps: give every data-parallel "
-                           f"replica the same number of batches (plugin.prepare_dataloader, or a DistributedSampler "
-                           f"over dp with drop_last=True), and call execute_pipeline on every rank.") from error
+    except RuntimeError as error:  # a peer failed, left (its script ended), froze, or is in another collective
+        failure = FailureGuard.shared().published_failure()
+        if failure is not None:  # it published why
+            raise failure from error
+        raise RuntimeError(f"The per-step batch agreement failed: another rank has left the job, did not answer "
+                           f"within the timeout (frozen or stuck), or is not taking this step ({error}). If no rank "
+                           f"failed, every rank must run the same number of steps: give every data-parallel replica "
+                           f"the same number of batches (plugin.prepare_dataloader, or a DistributedSampler over dp "
+                           f"with drop_last=True), and call execute_pipeline on every rank.") from error
     rows = [r.tolist() for r in rows]
     if d.error is not None:  # this rank's own reason is the most specific one (after the all-gather: no hang)
         raise d.error

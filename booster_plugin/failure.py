@@ -86,7 +86,7 @@ class FailureGuard:
             other = self._other_failure(wait_seconds=2.0) if isinstance(error, RuntimeError) else None
             if other is not None:
                 self._failure = other
-                raise RankFailure(f"The job cannot continue: {other}.") from error
+                raise RankFailure(f"The job cannot continue: {other.rstrip('.')}.") from error
             self._publish(f"rank {self.rank} failed in {what}: {type(error).__name__}: {error}")
             raise
         finally:
@@ -97,8 +97,15 @@ class FailureGuard:
         failure = self._failure or self._read()
         if failure is not None:
             self._failure = failure
-            raise RankFailure(f"The job cannot continue: {failure}. Stop this process (torchrun restarts the job "
+            raise RankFailure(f"The job cannot continue: {failure.rstrip('.')}. Stop this process (torchrun restarts the job "
                               f"with --max-restarts; resume from the last checkpoint).")
+
+    def published_failure(self, wait_seconds: float = 5.0) -> Optional[RankFailure]:
+        """After a collective failed outside a step (e.g. a peer closed its connections): the RankFailure naming
+        another rank's published failure, waiting up to `wait_seconds` for it to appear (longer than a failing rank
+        waits before it publishes, 2 s in `step`); None if there is none."""
+        other = self._other_failure(wait_seconds)
+        return None if other is None else RankFailure(f"The job cannot continue: {other.rstrip('.')}.")
 
     def close(self) -> None:
         """Stop the watchdog and wait for it (it leaves any store call within one poll)."""

@@ -1,164 +1,28 @@
-"""The boosted model: run a stage's forward, then reduce gradients across replicas in buckets (the optimizer side is
+"""The boosted model: run a stage's forward, then reduce gradients across replicas in buckets (grad_bucket.py) and
+sum those of parameters shared by stages, so that `p.grad` is final when the backward returns (the optimizer side is
 optimizer.py)."""
 from __future__ import annotations
 
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipeline.context import ParallelContext
 from shardformer.layer.spec import get_tp_spec
 
 from .failure import FailureGuard
+from .grad_bucket import BUCKET_BYTES, GradBucket, broadcast_params, make_buckets
 
 if TYPE_CHECKING:
     from shardformer.policies import Policy
 
     from .batch_check import BatchLimits
     from .lora import LoRAState
-
-BUCKET_BYTES = 25 * 1024 * 1024
-
-
-def make_buckets(params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> List[List[nn.Parameter]]:
-    """Group parameters (same dtype and device) into buckets of about `bucket_bytes`, for one collective each."""
-    buckets: List[List[nn.Parameter]] = []
-    open_buckets: Dict[tuple, List[nn.Parameter]] = {}
-    sizes: Dict[tuple, int] = {}
-    for p in params:
-        key = (p.dtype, p.device)
-        bucket = open_buckets.setdefault(key, [])
-        bucket.append(p)
-        sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
-        if sizes[key] >= bucket_bytes:
-            buckets.append(open_buckets.pop(key))
-            sizes[key] = 0
-    buckets.extend(b for b in open_buckets.values() if b)
-    return buckets
-
-
-@torch.no_grad()
-def _broadcast_params(params: List[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Copy the group's first rank's values of `params` to every rank of it, one broadcast per bucket."""
-    src = dist.get_global_rank(group, 0)
-    for bucket in make_buckets(params):
-        flat = _flatten_dense_tensors([p.data for p in bucket])
-        dist.broadcast(flat, src=src, group=group)
-        for p, synced in zip(bucket, _unflatten_dense_tensors(flat, [p.data for p in bucket])):
-            p.data.copy_(synced)
-
-
-class GradBucket:
-    """Gradients of a group of parameters in one flat buffer: one reduction, launched as soon as the last of them
-    is accumulated in the step's final backward pass, so the reduction overlaps the rest of the backward.
-
-    With ZeRO (`shards` = dp size) the gradient area is padded to a multiple of `shards` and dp rank r owns the
-    r-th of `shards` equal slices. `scatter` (ZeRO-2): the buffer lives only while its reduction runs; the
-    reduction is a reduce-scatter into `shard` (this rank's slice), and the full gradients are released."""
-
-    def __init__(self, params: List[nn.Parameter], shards: int = 1, scatter: bool = False) -> None:
-        self.params = params
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        self.padded = -(-self.offsets[-1] // shards) * shards
-        self.shard_numel = self.padded // shards
-        self.scatter = scatter
-        self.dtype, self.device = params[0].dtype, params[0].device
-        # after the gradients, one flag per parameter: did any replica produce a gradient for it?
-        self.buffer: Optional[torch.Tensor] = None if scatter else self._new_buffer()
-        self.shard: Optional[torch.Tensor] = None  # ZeRO-2: this rank's slice of the averaged gradients
-        self.used: List[bool] = [False] * len(params)
-        self.ready: set = set()
-        self.work: List[Any] = []
-
-    def _new_buffer(self) -> torch.Tensor:
-        return torch.zeros(self.padded + len(self.params), dtype=self.dtype, device=self.device)
-
-    @property
-    def has_grad(self) -> torch.Tensor:
-        return self.buffer[self.padded:]
-
-    def view(self, i: int) -> torch.Tensor:
-        return self.buffer[self.offsets[i]:self.offsets[i + 1]].view_as(self.params[i])
-
-    @property
-    def launched(self) -> bool:
-        return bool(self.work)
-
-    @torch.no_grad()
-    def launch(self, group: dist.ProcessGroup) -> None:
-        if self.scatter:
-            self.buffer = self._new_buffer()
-        for i, p in enumerate(self.params):
-            self.has_grad[i] = p.grad is not None
-            if p.grad is None:
-                self.view(i).zero_()
-            elif p.grad.data_ptr() != self.view(i).data_ptr():
-                self.view(i).copy_(p.grad)
-            if self.scatter:
-                p.grad = None  # ZeRO-2: only this rank's slice is kept
-        if self.scatter:
-            self.shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
-            self.work = [dist.reduce_scatter_single(self.shard, self.buffer[:self.padded], group=group, async_op=True),
-                         dist.all_reduce(self.has_grad, group=group, async_op=True)]
-        else:
-            self.work = [dist.all_reduce(self.buffer, group=group, async_op=True)]
-
-    @torch.no_grad()
-    def finish(self, dp_size: int) -> None:
-        """Wait for the reduction; the gradients become views of the averaged buffer (None where no replica had
-        one, so that the optimizer skips unused parameters as it would on one process)."""
-        for work in self.work:
-            work.wait()
-        self.work = []
-        self.ready.clear()
-        self.used = [flag > 0 for flag in self.has_grad.tolist()]
-        if self.scatter:
-            self.shard.div_(dp_size)
-            self.buffer = None
-            return
-        self.buffer[:self.padded].div_(dp_size)
-        for i, p in enumerate(self.params):
-            p.grad = self.view(i) if self.used[i] else None
-
-    @torch.no_grad()
-    def adopt_grads(self) -> None:
-        """ZeRO, before the step reads its slice: take the script's changes to `p.grad` since the reduction (in-place
-        changes already live in the buffer; a replaced gradient is copied into it, a removed one is unused).
-        ZeRO-2 keeps no `p.grad`, so a gradient set on a parameter could not be applied: refused."""
-        for i, p in enumerate(self.params):
-            if self.scatter and p.grad is not None:
-                raise RuntimeError("zero_stage=2 partitions the gradients over data parallel: `p.grad` is None after "
-                                   "the backward, and a gradient set on a parameter cannot be applied. Use "
-                                   "zero_stage=1 (or 0) to change gradients before optimizer.step(), or the "
-                                   "plugin's max_norm for clipping.")
-            if self.scatter:
-                continue
-            self.used[i] = p.grad is not None
-            if p.grad is not None and p.grad.data_ptr() != self.view(i).data_ptr():
-                self.view(i).copy_(p.grad)
-
-    def shard_grad(self, rank: int) -> torch.Tensor:
-        """ZeRO: the averaged gradients of the slice dp rank `rank` (this rank) owns."""
-        if self.scatter:
-            return self.shard
-        return self.buffer[rank * self.shard_numel:(rank + 1) * self.shard_numel]
-
-    def reset(self) -> None:
-        """Drop a launched reduction and the gradients of a discarded step."""
-        for work in self.work:
-            work.wait()
-        self.work = []
-        self.ready.clear()
-        if self.scatter:
-            self.buffer = self.shard = None
 
 
 class SharedParam(NamedTuple):
@@ -197,6 +61,7 @@ class HybridParallelModule(nn.Module):
         # holds the averaged gradients, final as after one process's backward
         self._grads_synced = False
         self._sync_queued = False  # pp == 1: sync_grads is queued to run when the running backward pass ends
+        self._forwards = 0  # pp == 1, dp > 1: forwards with gradients since the last reduction (replicas compare)
         self._buckets: List[GradBucket] = []
         if self.dp_size > 1:  # buckets in reverse order: the backward pass produces the last layers' grads first
             params = [p for p in module.parameters() if p.requires_grad]
@@ -288,9 +153,7 @@ class HybridParallelModule(nn.Module):
         averaged gradients when `backward()` returns, as in one process and torch DDP (the engine's final
         callback, as DDP uses)."""
         self._sync_queued = False
-        # waiting for the replicas: a failure another rank published (failure.py) stops this rank instead of hanging
-        with self.failure_guard.step("backward") if self.failure_guard is not None else contextlib.nullcontext():
-            self.sync_grads()
+        self.sync_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Also drops reductions launched for gradients that are now discarded (e.g. a skipped step)."""
@@ -325,6 +188,8 @@ class HybridParallelModule(nn.Module):
         return outputs
 
     def forward(self, *args, **kwargs) -> Any:
+        if self._buckets and self.pp_group is None and torch.is_grad_enabled():
+            self._forwards += 1
         if self._stage_forward is not None:
             return self._stage_forward(*args, **kwargs)
         return self.module(*args, **kwargs)
@@ -343,8 +208,13 @@ class HybridParallelModule(nn.Module):
         at optimizer.step() after backward passes that were all inside no_sync; a no-op once done."""
         if self._grads_synced or not (self._buckets or self.shared_params):  # (nothing to reduce: as one process)
             return
+        if self._buckets and self.pp_group is None:
+            self._check_replicas_in_step()  # (every rank raises alike: not a failure to publish)
         self._grads_synced = True
-        self._sync_grads()
+        # waiting for the replicas: a failure another rank published (failure.py) stops this rank instead of hanging
+        with self.failure_guard.step("gradient reduction") if self.failure_guard is not None else \
+                contextlib.nullcontext():
+            self._sync_grads()
 
     def _sync_grads(self) -> None:
         for bucket in self._buckets:
@@ -371,6 +241,23 @@ class HybridParallelModule(nn.Module):
             dist.all_reduce(p.grad, group=group)
             if self.zero_stage:
                 self.bucket_of(p).used = [True]
+
+    def _check_replicas_in_step(self) -> None:
+        """pp == 1 (under a pipeline, execute_pipeline's failure guard ends a failed step everywhere): a forward that
+        failed on one replica and was caught by the script would pair its next step's gradients with this step's on
+        the others, silently. One small all-gather over dp of the forwards since the last reduction catches it."""
+        mine = torch.tensor([self._forwards], dtype=torch.int64, device=self._buckets[0].device)
+        self._forwards = 0
+        counts = [torch.empty_like(mine) for _ in range(self.dp_size)]
+        dist.all_gather(counts, mine, group=self.dp_group)
+        counts = [int(c) for c in counts]
+        if len(set(counts)) > 1:
+            raise RuntimeError(
+                f"Data-parallel replicas are out of step: since the last gradient reduction the dp ranks ran {counts} "
+                f"forward passes with gradients. A forward that failed on some ranks and was caught by the script (or "
+                f"one with gradients on some ranks only, e.g. an evaluation outside torch.no_grad()) pairs one "
+                f"replica's gradients with another step's. This step's gradients are not used: call "
+                f"optimizer.zero_grad(), and end the job or skip a failed step on every rank alike.")
 
     def _shared_used(self) -> List[bool]:
         """For each shared parameter: has any stage holding it (any dp replica) a gradient? One all-reduce of
@@ -401,9 +288,9 @@ class HybridParallelModule(nn.Module):
         position embeddings: a model built with another seed on each tp rank would otherwise train diverged copies),
         dp rank 0's parameters, and the first holder's shared parameters."""
         if self.tp_group is not None:
-            _broadcast_params([p for p in self.module.parameters() if get_tp_spec(p) is None], self.tp_group)
+            broadcast_params([p for p in self.module.parameters() if get_tp_spec(p) is None], self.tp_group)
         if self.dp_size > 1:
-            _broadcast_params(list(self.module.parameters()), self.dp_group)
+            broadcast_params(list(self.module.parameters()), self.dp_group)
         for p, group, _ in self.shared_params:
             dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
 

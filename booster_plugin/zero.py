@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .optimizer import HybridParallelOptimizer
-from .parallel_module import GradBucket
+from .grad_bucket import GradBucket
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                           torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
 from tests import model_utils as mu
@@ -111,6 +112,25 @@ def _check_optimizer_not_boosted_is_refused():
         opt.zero_grad()
 
 
+def _check_replicas_out_of_step_are_refused():
+    """dp=4, the script calls the model itself: a forward that failed on one rank and was caught (here: a forward
+    with gradients on rank 1 only) would pair rank 1's next step with the others' current one. The backward raises
+    on every rank instead, naming the counts; after zero_grad the replicas train on."""
+    plugin = HybridParallelPlugin()
+    booster = Booster(plugin=plugin)
+    model = mu.build("llama_lm")
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = mu.make_batch("llama_lm", LOCAL, seed=7)
+    if dist.get_rank() == 1:
+        model(**batch)  # its loss never reaches a backward (as if the step had failed here and was skipped)
+    with pytest.raises(RuntimeError, match=r"replicas are out of step: .* ran \[1, 2, 1, 1\] forward passes"):
+        booster.backward(model(**batch).loss, opt)
+    opt.zero_grad()
+    booster.backward(model(**batch).loss, opt)
+    opt.step()
+    opt.zero_grad()
+
+
 def _four_ranks():
     _check_changes_take_effect("llama_lm")  # dp=4
     _check_changes_take_effect("gpt2_lm", pp_size=2, num_microbatches=2)  # dp=2, tied embedding over stages
@@ -120,6 +140,7 @@ def _four_ranks():
     _check_clip_grad_norm_under_dp()
     _check_zero2_refuses_a_set_gradient()
     _check_optimizer_not_boosted_is_refused()
+    _check_replicas_out_of_step_are_refused()
 
 
 def test_gradient_semantics_four_ranks():

@@ -45,7 +45,12 @@ def listed(items: Sequence[str], most: int = 8) -> str:
 def agree(error: Optional[str], action: str, device: torch.device) -> None:
     """Collective: if any rank has an error, every rank raises one CheckpointError listing them all."""
     flag = torch.tensor([1 if error else 0], dtype=torch.int64, device=device)
-    dist.all_reduce(flag)
+    try:
+        dist.all_reduce(flag)
+    except RuntimeError as lost:  # a rank left (exited right after an asynchronous save) or froze
+        raise CheckpointError(f"{action} failed: another rank left the job or did not answer before the ranks agreed "
+                              f"on the result ({lost}); {error or 'this rank had no error'}. A checkpoint is "
+                              f"swapped in only when complete: the previous one at that path is untouched.") from lost
     if not flag.item():
         return
     raw = (error or "").encode("utf-8")[:_MESSAGE_BYTES]

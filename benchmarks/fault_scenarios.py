@@ -322,8 +322,9 @@ SCENARIOS = [
                 fault()
             train(booster, model, opt, batch(seed=10 * n + RANK))
         ok(f"{2 + RANK} steps")""",
-      "RuntimeError 'another rank has left the job or is not taking this step' on rank 1 (the extra step)",
-      {0: r"^ok 2 steps", 1: r"^RuntimeError: .*another rank has left the job or is not taking this step"}),
+      "rank 1 (the extra step) fails at once naming the cause: RankFailure 'rank 0 ... exited' (or, if the store still "
+      "answers, RuntimeError 'another rank has left the job')",
+      {0: r"^ok 2 steps", 1: r"^(RankFailure: .*rank 0 .*exited|RuntimeError: .*another rank has left the job)"}),
     S("20", "ranks build different models (GPT-2, 3 vs 4 layers), tp=2", 2, """
         booster, model, opt = boost(layers=3 + RANK, tp_size=2)
         ok("boosted")""",

@@ -1,7 +1,7 @@
 """Lazy init: peak host memory of one rank of a 7B-class Llama (bf16) sharded tp=2 x pp=4, versus its shard.
 
 8 gloo ranks (one process each) build the model on the meta device (no memory) and shard it with the plugin's own
-mesh, groups and Sharder. Only the two tp ranks of the measured stages materialize (`Sharder._materialize`, the
+mesh, groups and Sharder. Only the two tp ranks of the measured stages materialize (`Sharder.materialize`, the
 step `HybridParallelPlugin.configure` runs: allocate this rank's shard, HF `_init_weights` on it, broadcast
 replicated tensors over tp); the others stay on meta, so the machine never holds more than those shards. Each
 measured rank reports its peak RSS (VmHWM, and ru_maxrss) minus its RSS after imports and process-group setup,
@@ -75,7 +75,7 @@ def _worker(rank: int, world: int, port: int, stages, queue) -> None:
         result = None
         if measured:  # both tp ranks of the stage (they broadcast replicated tensors to each other)
             t1 = time.perf_counter()
-            shard_bytes = sharder._materialize(plugin.device)
+            shard_bytes = sharder.materialize(plugin.device)
             t_mat = time.perf_counter() - t1
             assert not any(p.is_meta for p in model.parameters())
             param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -130,7 +130,7 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
                                    opts.sharding.gradient_checkpoint_config, rng_tracker)
     if opts.precision.precision in _DTYPES:
         model.to(_DTYPES[opts.precision.precision])
-    sharder._materialize(opts.device)  # lazy init: a model built on the meta device gets only this rank's shard
+    sharder.materialize(opts.device)  # lazy init: a model built on the meta device gets only this rank's shard
     model.to(opts.device)
     return sharder, shared_names
 

@@ -66,7 +66,7 @@ class Sharder:
                                            self.shard_config.tensor_parallel_process_group)
         return shared
 
-    def _materialize(self, device, init: bool = True) -> int:
+    def materialize(self, device, init: bool = True) -> int:
         """Allocate the meta parameters and buffers this rank still holds (after sharding) on `device`, initialized
         with `init` (see materialize.py); the number of bytes allocated."""
         sm = self.shard_config.pipeline_stage_manager

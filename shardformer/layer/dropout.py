@@ -52,6 +52,12 @@ class TPRNGTracker:
         if self.device.type != "cpu":
             torch.get_device_module(self.device.type).set_rng_state(states[1], self.device)
 
+    def _swap_in(self, states: list[Tensor]) -> list[Tensor]:
+        """Put `states` into torch's default generators; returns the states they held (advanced since set)."""
+        held = self._get_states()
+        self._set_states(states)
+        return held
+
     def _fresh_states(self, seed: int) -> list[Tensor]:
         states = [torch.Generator().manual_seed(seed).get_state()]
         if self.device.type != "cpu":
@@ -78,8 +84,7 @@ class TPRNGTracker:
         if self._shared_states is None:
             raise RuntimeError("TPRNGTracker.sync() must be called before the model runs under the tracker's RNG")
         if self._model_depth == 0:
-            self._script_states = self._get_states()
-            self._set_states(self._shared_states)
+            self._script_states = self._swap_in(self._shared_states)
         self._model_depth += 1
 
     def exit_model(self) -> None:
@@ -89,8 +94,7 @@ class TPRNGTracker:
             return
         self._model_depth -= 1
         if self._model_depth == 0:
-            self._shared_states = self._get_states()
-            self._set_states(self._script_states)
+            self._shared_states = self._swap_in(self._script_states)
             self._script_states = None
 
     @contextmanager
@@ -116,8 +120,7 @@ class TPRNGTracker:
         if self._local_states is None:
             raise RuntimeError("TPRNGTracker.sync() must be called before using the local RNG")
         if self._depth == 0:
-            self._saved = self._get_states()
-            self._set_states(self._local_states)
+            self._saved = self._swap_in(self._local_states)
         self._depth += 1
 
     def exit_local(self) -> None:
@@ -126,22 +129,19 @@ class TPRNGTracker:
             raise RuntimeError("exit_local() without a matching enter_local()")
         self._depth -= 1
         if self._depth == 0:
-            self._local_states = self._get_states()
-            self._set_states(self._saved)
+            self._local_states = self._swap_in(self._saved)
             self._saved = None
 
     def enter_shared(self) -> None:
         """Inside a local block, switch back to the shared default state (for dropout on replicated activations)."""
         if self._depth == 0:
             return
-        self._local_states = self._get_states()
-        self._set_states(self._saved)
+        self._local_states = self._swap_in(self._saved)
 
     def exit_shared(self) -> None:
         if self._depth == 0:
             return
-        self._saved = self._get_states()
-        self._set_states(self._local_states)
+        self._saved = self._swap_in(self._local_states)
 
     @contextmanager
     def local_rng(self) -> Iterator[None]:

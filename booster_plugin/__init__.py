@@ -4,6 +4,7 @@ from .booster import Booster
 from .optimizer import HybridParallelOptimizer
 from .parallel_module import HybridParallelModule
 from .plugin import HybridParallelPlugin
+from .samplers import StatefulDistributedSampler
 
 __all__ = ["Booster", "HybridParallelPlugin", "HybridParallelModule", "HybridParallelOptimizer",
-           "GradientCheckpointConfig"]
+           "GradientCheckpointConfig", "StatefulDistributedSampler"]

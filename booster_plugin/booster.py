@@ -123,7 +123,8 @@ class Booster:
                    prefix: Optional[str] = None, size_per_shard: int = 1024, use_safetensors: bool = False,
                    use_async: bool = False) -> None:
         """Write the full, unsharded model (atomically). `checkpoint` ending in `.safetensors` (or `.pt`/`.bin`)
-        with shard=False: one file there. Any other path: a Hugging Face directory, `model.safetensors` (shard=False)
+        with shard=False: one file there. Any other path, and shard=True whatever the suffix (as ColossalAI: a
+        directory named `model.bin`): a Hugging Face directory, `model.safetensors` (shard=False)
         or `model-0000i-of-0000n.safetensors` + index (shard=True, files of about `size_per_shard` MB), with
         `config.json`. Every tensor carries a CRC32. `use_async=True` returns once the tensors are gathered and
         copied; the files are written in the background (see `checkpoint_io.synchronize()`)."""

@@ -67,8 +67,21 @@ class DistCoordinator:
         if not dist.is_initialized():
             raise RuntimeError("DistCoordinator needs torch.distributed: call launch_from_torch() (or create the "
                                "HybridParallelPlugin) first.")
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        # ColossalAI's attributes (scripts read `_rank`, `_local_rank`, `_world_size`), behind read-only properties
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
 
     @staticmethod
     def _rank_in(process_group: Optional[dist.ProcessGroup]) -> int:

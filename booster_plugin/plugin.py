@@ -1,8 +1,10 @@
 """HybridParallelPlugin: dp × pp × tp over the world, with ColossalAI's argument names."""
 from __future__ import annotations
 
+import warnings
+from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Type
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ from pipeline.context import ParallelContext
 from pipeline.step import StepOptions
 from pipeline.trace import ScheduleTracer
 from shardformer.policies import Policy
+from shardformer.shard_config import ShardConfig
 
 from .activation_checkpoint import GradientCheckpointConfig
 from .batch_check import BatchLimits, agree_on_batch, batch_agreed
@@ -25,7 +28,7 @@ from .launch import ARRIVAL_TIMEOUT_S, agree_on_layout, default_device, ensure_d
 from .microbatches import MicrobatchSplit, token_weighted_scales, without_empty_microbatches
 from .optimizer import HybridParallelOptimizer
 from .parallel_module import HybridParallelModule
-from .prepare import PrepareOptions, prepare_model
+from .prepare import PrepareOptions, prepare_model, shard_config_of
 from .stage_calls import chunk_calls, running_step
 from .usage_checks import check_batch_content, check_criterion, check_step_arguments
 
@@ -110,11 +113,17 @@ class HybridParallelPlugin:
             raise ValueError(f"World size {world} is not divisible by tp_size * pp_size = {tp_size} * {pp_size}; "
                              f"launch a multiple of {tp_size * pp_size} processes or change the sizes.")
         dp_size = world // (tp_size * pp_size)
+        # the settings the model and optimizer are prepared with: ZeRO over one dp rank partitions nothing, so it runs
+        # as zero_stage=0 (ColossalAI runs it too, warning that it only adds overhead)
+        self._precision_in_effect = config.precision
         if config.precision.zero_stage > 0 and dp_size == 1:
-            raise ValueError(f"zero_stage={config.precision.zero_stage} partitions over data parallel, but dp size is "
-                             f"1 (world {world} = tp_size {tp_size} * pp_size {pp_size}): use zero_stage=0 or more "
-                             f"processes.")
+            self._precision_in_effect = replace(config.precision, zero_stage=0)
+            if dist.get_rank() == 0:
+                warnings.warn(f"zero_stage={config.precision.zero_stage} partitions over data parallel, but dp size is "
+                              f"1 (world {world} = tp_size {tp_size} * pp_size {pp_size}): nothing is partitioned, "
+                              f"training runs as with zero_stage=0. Set zero_stage=0 to silence this.", stacklevel=2)
         self.device = default_device()
+        self._own_group: Optional[ProcessGroup] = None  # this rank alone (sp_group without sequence parallelism)
         self.ctx = ParallelContext.build({"dp": dp_size, "pp": pp_size, "tp": tp_size},
                                          timedelta(seconds=config.mesh.timeout))
         pipe = config.pipeline
@@ -156,6 +165,7 @@ class HybridParallelPlugin:
 
     @property
     def zero_stage(self) -> int:
+        """As given, as in ColossalAI (with dp size 1 training runs as zero_stage=0: nothing to partition)."""
         return self.config.precision.zero_stage
 
     @property
@@ -200,6 +210,29 @@ class HybridParallelPlugin:
         return self.ctx.tp.group
 
     @property
+    def mixed_dp_group(self) -> ProcessGroup:
+        """ColossalAI's group that gradients are reduced over (dp × sp with a separate sp group): here dp."""
+        return self.ctx.dp.group
+
+    @property
+    def sp_group(self) -> ProcessGroup:
+        """ColossalAI's sequence-parallel group: the tp group with sequence parallelism (it runs over tp), else a
+        group of this rank alone (sp size 1), as in ColossalAI."""
+        if self.sp_mode is not None:
+            return self.ctx.tp.group
+        if self._own_group is None:  # only this rank takes part in creating it: no collective
+            self._own_group = dist.new_group([dist.get_rank()], timeout=timedelta(seconds=self.timeout),
+                                             use_local_synchronization=True)
+        return self._own_group
+
+    @property
+    def shard_config(self) -> ShardConfig:
+        """How the model is sharded (ColossalAI's name; ours, shardformer.shard_config.ShardConfig): the tp group
+        (None without tp), the stage manager (None without pp), parallel_output, vocabulary padding, sequence
+        parallelism. Read-only: the plugin's arguments set it."""
+        return shard_config_of(self.config.sharding, self.ctx, self._stage_manager)
+
+    @property
     def stage_manager(self) -> Optional[PipelineStageManager]:
         """The pipeline stage manager; None without pipeline parallelism (pp_size == 1), as in ColossalAI."""
         return self._stage_manager if self.pp_size > 1 else None
@@ -218,7 +251,7 @@ class HybridParallelPlugin:
     # -- boosting ---------------------------------------------------------------------------------------
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
         """Boost: shard `model` for this rank and wrap it and `optimizer` (booster_plugin/prepare.py)."""
-        opts = PrepareOptions(self.config.sharding, self.config.precision, self.config.pipeline.style,
+        opts = PrepareOptions(self.config.sharding, self._precision_in_effect, self.config.pipeline.style,
                               self.config.check_batches, self.device)
         module, optimizer = prepare_model(model, optimizer, opts, self.ctx, self._stage_manager, self.failure_guard,
                                           self.schedule.tracer if self.schedule else None)
@@ -319,16 +352,20 @@ class HybridParallelPlugin:
 
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,
                            drop_last: Optional[bool] = None, pin_memory: bool = False, num_workers: int = 0,
+                           distributed_sampler_cls: Optional[Type[DistributedSampler]] = None,
                            **kwargs: Any) -> DataLoader:
         """A DataLoader over this rank's data-parallel shard: pp and tp ranks of one replica see the same batches.
 
         `drop_last` (sampler and loader): None (default) drops the short last batch of an epoch where steps split
         their batch into microbatches (pp_size > 1, num_microbatches or microbatch_size), since it would not
-        split, and keeps it otherwise (ColossalAI's default is False); give False to keep every sample."""
+        split, and keeps it otherwise (ColossalAI's default is False); give False to keep every sample.
+        `distributed_sampler_cls`: the sampler's class (default DistributedSampler), built with the same arguments,
+        e.g. `StatefulDistributedSampler` (booster_plugin.samplers) to resume mid-epoch."""
         if drop_last is None:
             drop_last = self.schedule is not None
-        sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle,
-                                     seed=seed, drop_last=drop_last)
+        sampler_cls = distributed_sampler_cls or DistributedSampler
+        sampler = sampler_cls(dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle, seed=seed,
+                              drop_last=drop_last)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                           pin_memory=pin_memory, num_workers=num_workers, **kwargs)
 

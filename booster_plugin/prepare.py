@@ -21,6 +21,7 @@ from pipeline import PipelineStageManager
 from pipeline.context import ParallelContext
 from pipeline.styles import ScheduleStyle
 from pipeline.trace import ScheduleTracer
+from shardformer.layer.dropout import TPRNGTracker
 from shardformer.layer.split_weight_grads import prepare_split_backward
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sharder import ShardConfig, Sharder
@@ -38,7 +39,7 @@ from .stage_calls import refuse_calls_outside_schedule
 from .usage_checks import agree_on_model, refuse_boosted_twice, remember_boosted
 from .zero import ZeroOptimizer, check_zero_optimizer
 
-__all__ = ["PrepareOptions", "prepare_model"]
+__all__ = ["PrepareOptions", "prepare_model", "shard_config_of"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -101,22 +102,26 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
                            on_nonfinite=opts.precision.on_nonfinite)
 
 
+def shard_config_of(sharding: ShardingConfig, ctx: ParallelContext, stage_manager: PipelineStageManager,
+                    rng_tracker: Optional[TPRNGTracker] = None) -> ShardConfig:
+    """How the model is sharded (`plugin.shard_config`, ColossalAI's name; at boost with tp's dropout RNG)."""
+    return ShardConfig(
+        tensor_parallel_process_group=ctx.tp.active,
+        pipeline_stage_manager=stage_manager if ctx.pp.size > 1 else None,
+        parallel_output=sharding.parallel_output,
+        make_vocab_size_divisible_by=sharding.make_vocab_size_divisible_by, rng_tracker=rng_tracker,
+        enable_sequence_parallelism=sharding.sp_mode is not None, sequence_parallelism_mode=sharding.sp_mode)
+
+
 def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: ParallelContext,
            stage_manager: PipelineStageManager) -> Tuple[Sharder, List[Dict[int, str]]]:
     """Step 3: the model becomes this rank's shard, on the device; returns the sharder and the shared names."""
     rng_tracker = None
     if ctx.tp.size > 1:
-        from shardformer.layer.dropout import TPRNGTracker
         rng_tracker = TPRNGTracker(opts.device)
         # dropout masks the same across tp, not dp; drawn from the tracker, the script's global RNG is left alone
         rng_tracker.sync(ctx.tp.group, opts.sharding.seed + ctx.dp.rank)
-    shard_config = ShardConfig(
-        tensor_parallel_process_group=ctx.tp.active,
-        pipeline_stage_manager=stage_manager if ctx.pp.size > 1 else None,
-        parallel_output=opts.sharding.parallel_output,
-        make_vocab_size_divisible_by=opts.sharding.make_vocab_size_divisible_by, rng_tracker=rng_tracker,
-        enable_sequence_parallelism=opts.sharding.sp_mode is not None, sequence_parallelism_mode=opts.sharding.sp_mode)
-    sharder = Sharder(model, policy, shard_config)
+    sharder = Sharder(model, policy, shard_config_of(opts.sharding, ctx, stage_manager, rng_tracker))
     if opts.sharding.custom_policy is not None:  # a plan written by hand: an entry matching nothing is a typo
         policy.check_plan()
     shared_names = sharder.shard()
@@ -124,6 +129,8 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
     if opts.style.splits_backward:  # their backward is split into I and W (pipeline/split_backward.py)
         prepare_split_backward(model)
     per_stage = policy.layers_per_stage() if ctx.pp.size > 1 else [policy.num_layers()]
+    if ctx.pp.size > 1:  # as ColossalAI's policies do: the layer ranges of this stage's chunks
+        stage_manager.stage_indices = stage_manager.get_stage_index(per_stage)
     layout = stage_manager.layout  # checkpointing counts per pipeline rank: a rank's chunks together
     apply_activation_checkpointing(model, list(policy.layer_list()), ctx.pp.rank,
                                    [sum(per_stage[s] for s in layout.stages_of(r)) for r in range(ctx.pp.size)],

@@ -1,8 +1,10 @@
-"""A ColossalAI hybrid-parallel training script, ported by changing its imports only.
+r"""A ColossalAI hybrid-parallel training script, ported by one substitution (README, "Porting a ColossalAI script"):
 
-The body below is written as ColossalAI's examples are (launch_from_torch, DistCoordinator, HybridAdam,
-LazyInitContext, get_accelerator, `stage_manager is None` branching, ColossalAI's plugin arguments including
-speed-only ones). Only the import block differs; the original lines are kept as comments.
+    sed -i -E 's/\bcolossalai\b/booster_plugin.colossalai/g' colossalai_port.py
+
+The body is written as ColossalAI's examples are (launch_from_torch, DistCoordinator, HybridAdam, LazyInitContext,
+get_accelerator, `stage_manager is None` branching, ColossalAI's plugin arguments including speed-only ones); the
+substitution changed the imports and `colossalai.launch_from_torch` only.
 
     torchrun --nproc_per_node=8 examples/colossalai_port.py --tp 2 --pp 2      # tp=2 x pp=2 x dp=2
     torchrun --nproc_per_node=8 examples/colossalai_port.py --tp 2 --pp 2 --precision fp16 --zero-stage 1
@@ -13,16 +15,13 @@ from typing import List, Optional
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-# import colossalai                                                    (ColossalAI)
-# from colossalai.accelerator import get_accelerator
-# from colossalai.booster import Booster
-# from colossalai.booster.plugin import HybridParallelPlugin
-# from colossalai.cluster import DistCoordinator
-# from colossalai.lazy import LazyInitContext
-# from colossalai.nn.optimizer import HybridAdam
-from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin import compat as colossalai
-from booster_plugin.compat import DistCoordinator, HybridAdam, LazyInitContext, get_accelerator
+import booster_plugin.colossalai
+from booster_plugin.colossalai.accelerator import get_accelerator
+from booster_plugin.colossalai.booster import Booster
+from booster_plugin.colossalai.booster.plugin import HybridParallelPlugin
+from booster_plugin.colossalai.cluster import DistCoordinator
+from booster_plugin.colossalai.lazy import LazyInitContext
+from booster_plugin.colossalai.nn.optimizer import HybridAdam
 
 
 def _criterion(outputs, inputs):
@@ -40,7 +39,7 @@ def make_batches(steps: int, batch_size: int, seq: int, vocab: int, seed: int = 
 
 def train(tp: int, pp: int, steps: int = 3, init_from: Optional[str] = None, save_to: Optional[str] = None,
           config: Optional[GPT2Config] = None, precision: str = "fp32", zero_stage: int = 0) -> List[float]:
-    colossalai.launch_from_torch(seed=42)
+    booster_plugin.colossalai.launch_from_torch(seed=42)
     coordinator = DistCoordinator()
     plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=None, microbatch_size=1, zero_stage=zero_stage,
                                   precision=precision, initial_scale=2 ** 8, enable_all_optimization=True,

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from .layout import LOOP, StageLayout
+import torch.distributed as dist
+
+from .layout import LOOP, V, StageLayout
 
 AUTO = "auto"
 
@@ -86,6 +88,25 @@ class PipelineStageManager:
             else list(num_layers_per_stage)
         self.stage_ranks: Tuple[int, ...] = pg_mesh.ranks_along_axis(pipeline_axis)
         self.pp_group = pg_mesh.get_group_along_axis(pipeline_axis)
+        # ColossalAI's flag of the zero-bubble V layout (pp_style "zbv"; here also "dualpipev", the same V)
+        self.use_zbv = layout_style == V
+        self._stage_indices: Union[None, Tuple[int, int], List[Tuple[int, int]]] = None
+
+    def get_rank(self) -> int:
+        """This process's global rank (ColossalAI's)."""
+        return dist.get_rank()
+
+    @property
+    def stage_indices(self) -> Union[Tuple[int, int], List[Tuple[int, int]]]:
+        """[start, end) of the layers this stage holds, a list of them (one per chunk) with several chunks: as
+        ColossalAI's, set when the model is sharded (`get_stage_index` of the model's layer split)."""
+        if self._stage_indices is None:
+            raise AttributeError("stage_indices is set when the model is sharded: read it after booster.boost(model).")
+        return self._stage_indices
+
+    @stage_indices.setter
+    def stage_indices(self, indices: Union[Tuple[int, int], List[Tuple[int, int]]]) -> None:
+        self._stage_indices = indices
 
     # -- position ---------------------------------------------------------------------------------------
     def _holds(self, virtual_stage: int, ignore_chunk: bool) -> bool:

@@ -589,8 +589,6 @@ def _single_file(root):
         booster2.load_model(model2, path)
         _assert_params_equal(plugin2, model2, reference, f"single file {name}")
     assert sorted(os.listdir(os.path.join(root, "single"))) == ["model.pt", "model.safetensors"]
-    with pytest.raises(ValueError, match="shard=True writes a directory"):
-        booster.save_model(model, os.path.join(root, "single/x.safetensors"), shard=True)
     # a .pt holding more than plain tensors is refused by torch.load(weights_only=True): no pickle code runs
     evil = os.path.join(root, "evil.pt")
     if dist.get_rank() == 0:
@@ -617,3 +615,26 @@ def _four_ranks(root):
 
 def test_checkpoints_four_ranks(tmp_path):
     run_distributed(4, _four_ranks, str(tmp_path))
+
+
+# -- 12. shard=True with a file-like name: a directory of that name (as ColossalAI) -----------------------------------
+def _sharded_to_file_name(root):
+    """`save_model(model, "x/model.bin", shard=True)` writes an HF directory named model.bin; load_model reads a
+    directory whatever its suffix, into another layout, and from_pretrained loads it. save_optimizer: a directory."""
+    reference = mu.build("llama_lm", seed=0)
+    plugin, booster, model, opt, _ = _boost("llama_lm", 1, 2, reference=reference, optimizer=True)
+    path, optim_path = os.path.join(root, "x/model.bin"), os.path.join(root, "x/optim.bin")
+    booster.save_model(model, path, shard=True, size_per_shard=1)
+    booster.save_optimizer(opt, optim_path, shard=True)
+    assert os.path.isdir(path) and os.path.isdir(optim_path)
+    if dist.get_rank() == 0:
+        _check_hf_loads(path, "llama_lm", reference, shard=True)
+    _barrier()
+    plugin2, booster2, model2, opt2, _ = _boost("llama_lm", 2, 1, seed=1, optimizer=True)
+    booster2.load_model(model2, path)
+    booster2.load_optimizer(opt2, optim_path)
+    _assert_params_equal(plugin2, model2, reference, "sharded save to x/model.bin")
+
+
+def test_sharded_save_to_file_name_two_ranks(tmp_path):
+    run_distributed(2, _sharded_to_file_name, str(tmp_path))

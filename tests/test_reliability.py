@@ -36,7 +36,6 @@ CONFIG_CASES = [
     (dict(pp_size=2, num_microbatches=2, microbatch_size=2), ValueError, "at most one of num_microbatches=2 and"),
     (dict(precision="fp64"), ValueError, "precision='fp64' is not supported; use one of"),
     (dict(zero_stage=3), ValueError, "zero_stage=3 is not supported; use 0, 1 or 2"),
-    (dict(tp_size=2, zero_stage=1), ValueError, "zero_stage=1 partitions over data parallel, but dp size is 1"),
     (dict(pp_style="gpipe"), ValueError, "Unknown pp_style 'gpipe'; use one of"),
     (dict(pp_size=2, num_microbatches=3, pp_style="interleaved", num_model_chunks=2), ValueError,
      "interleaved schedule needs num_microbatches to be a multiple of pp_size"),
@@ -351,6 +350,7 @@ def _two_ranks():
     _check_evaluation_outputs_in_train_mode()
     _check_nonfinite_gradients_skip_or_raise_everywhere()
     mu.check_training("gpt2_lm", tp_size=2, num_microbatches=2)  # the group still trains after all of the above
+    mu.check_training("gpt2_lm", tp_size=2, zero_stage=1)  # ZeRO over dp size 1: runs as zero_stage=0 (ColossalAI)
 
 
 def test_bad_input_and_silent_corruption_two_ranks():

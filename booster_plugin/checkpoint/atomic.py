@@ -44,8 +44,8 @@ def prepare_dir(path: str) -> str:
     """Rank 0: recover from an interrupted swap, remove a stale partial save, create the temporary directory."""
     path, tmp, backup = siblings(path)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise FileExistsError(f"{path} exists and is not a directory; a checkpoint without a file suffix is a "
-                              f"directory.")
+        raise FileExistsError(f"{path} exists and is not a directory; a sharded checkpoint (shard=True) or one "
+                              f"without a file suffix is a directory: remove the file or choose another path.")
     if os.path.isdir(backup):
         if os.path.exists(path):  # crashed after the swap: the backup is stale
             shutil.rmtree(backup)

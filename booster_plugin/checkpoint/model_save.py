@@ -3,7 +3,8 @@
 Where it writes (the decision rule):
 - `shard=False` and a path ending in `.safetensors`: ONE safetensors file at that path (no config);
   ending in `.pt` / `.pth` / `.bin`: one `torch.save`d dict of plain tensors (loaded with `weights_only=True`).
-- any other path: an HF directory — `model.safetensors` (shard=False) or `model-0000i-of-0000n.safetensors` +
+- `shard=True` (whatever the path's suffix, as ColossalAI: "out/model.bin" is a directory) or any other path: an HF
+  directory — `model.safetensors` (shard=False) or `model-0000i-of-0000n.safetensors` +
   `model.safetensors.index.json` (shard=True), `config.json`, `generation_config.json`; `from_pretrained` loads it.
 Vocab padding is stripped, fused areas (GPT-2's q|k|v) reassembled, tied targets not stored (transformers
 re-ties them). A sharded file holds one stage's tensors, written by that stage's writer; a single file is written by
@@ -43,10 +44,9 @@ def save_model(ctx: CheckpointContext, module: HybridParallelModule, checkpoint:
                gather_dtensor: bool, prefix: Optional[str], size_per_shard: float, use_async: bool) -> None:
     if not gather_dtensor:
         raise NotImplementedError("gather_dtensor=False is not supported: models are saved unsharded.")
-    single, torch_format = checkpoint.endswith(FILE_SUFFIXES), checkpoint.endswith(TORCH_SUFFIXES)
-    if single and shard:
-        raise ValueError(f"shard=True writes a directory, but {checkpoint!r} names a file; drop the suffix or use "
-                         f"shard=False for one file.")
+    # shard=True always writes a directory, also one named like a file (as ColossalAI: "out/model.bin")
+    single = checkpoint.endswith(FILE_SUFFIXES) and not shard
+    torch_format = single and checkpoint.endswith(TORCH_SUFFIXES)
     plan = model_plan(ctx, module)
     base = f"{prefix}-" if prefix else ""
     save = ModelSave(checkpoint, plan, _file_plan(plan, shard, size_per_shard, base), shard, single, torch_format,

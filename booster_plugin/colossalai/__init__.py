@@ -1,0 +1,20 @@
+r"""ColossalAI's module paths over this library: `import booster_plugin.colossalai` stands for `import colossalai`.
+
+The port of a ColossalAI script is one mechanical substitution of the word `colossalai`:
+
+    sed -i -E 's/\bcolossalai\b/booster_plugin.colossalai/g' train.py
+
+Every submodule here re-exports this library's counterpart under ColossalAI's name (docs/colossalai_inventory.md
+lists each name ColossalAI's training scripts import and what stands for it, or why nothing does).
+"""
+from importlib.metadata import PackageNotFoundError, version
+
+from . import accelerator
+from .initialize import launch, launch_from_torch
+
+try:
+    __version__ = version("hybrid-parallel")
+except PackageNotFoundError:  # run from a source tree without `pip install -e .`
+    __version__ = "0.0.0"
+
+__all__ = ["accelerator", "launch", "launch_from_torch", "__version__"]

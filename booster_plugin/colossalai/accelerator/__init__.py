@@ -1,0 +1,4 @@
+"""`colossalai.accelerator`."""
+from booster_plugin.compat import get_accelerator
+
+__all__ = ["get_accelerator"]

@@ -1,0 +1,6 @@
+"""`colossalai.booster`."""
+from booster_plugin import Booster
+
+from .plugin import Plugin
+
+__all__ = ["Booster", "Plugin"]

@@ -1,0 +1,4 @@
+"""`colossalai.cluster`."""
+from booster_plugin.compat import DistCoordinator
+
+__all__ = ["DistCoordinator"]

@@ -1,0 +1,4 @@
+"""`colossalai.lazy`."""
+from booster_plugin.compat import LazyInitContext
+
+__all__ = ["LazyInitContext"]

@@ -1,10 +1,14 @@
-"""Booster and HybridParallelPlugin: compose pipeline and shardformer for training."""
+"""Booster and its plugins (HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin): compose pipeline and
+shardformer for training."""
 from .activation_checkpoint import GradientCheckpointConfig
 from .booster import Booster
+from .low_level_zero import LowLevelZeroPlugin
 from .optimizer import HybridParallelOptimizer
 from .parallel_module import HybridParallelModule
 from .plugin import HybridParallelPlugin
+from .plugin_base import DPPluginBase, Plugin
 from .samplers import StatefulDistributedSampler
+from .torch_ddp import TorchDDPPlugin
 
-__all__ = ["Booster", "HybridParallelPlugin", "HybridParallelModule", "HybridParallelOptimizer",
-           "GradientCheckpointConfig", "StatefulDistributedSampler"]
+__all__ = ["Booster", "Plugin", "DPPluginBase", "HybridParallelPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin",
+           "HybridParallelModule", "HybridParallelOptimizer", "GradientCheckpointConfig", "StatefulDistributedSampler"]

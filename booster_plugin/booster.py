@@ -1,17 +1,16 @@
 """Booster: the user-facing entry point (ColossalAI's names and signatures)."""
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
 
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointContext, HybridParallelCheckpointIO
 from .lora import enable_lora
 from .parallel_module import HybridParallelModule
 from .plugin import HybridParallelPlugin
+from .plugin_base import BoosterCheckpointIO, Plugin
 
 
 class Booster:
@@ -19,29 +18,30 @@ class Booster:
         device: accepted for compatibility (the plugin places each rank on its accelerator, else the CPU).
         mixed_precision: as in ColossalAI, the plugin controls precision; a value here is ignored with a warning
             (use HybridParallelPlugin(precision="bf16")).
-        plugin: the HybridParallelPlugin; may also be given to `boost(..., plugin=...)`. Without either, `boost`
-            uses HybridParallelPlugin() (data parallel over the whole world).
+        plugin: HybridParallelPlugin, LowLevelZeroPlugin or TorchDDPPlugin (any `Plugin`); may also be given to
+            `boost(..., plugin=...)`. Without either, `boost` uses HybridParallelPlugin() (data parallel over the
+            whole world).
     """
 
     def __init__(self, device: Optional[str] = None, mixed_precision: Optional[str] = None,
-                 plugin: Optional[HybridParallelPlugin] = None) -> None:
+                 plugin: Optional[Plugin] = None) -> None:
         if mixed_precision is not None:
             warnings.warn(f"Booster(mixed_precision={mixed_precision!r}) is ignored: the plugin controls precision; "
                           f"use HybridParallelPlugin(precision=...).", stacklevel=2)
-        if plugin is not None and not isinstance(plugin, HybridParallelPlugin):
-            raise TypeError(f"plugin must be a HybridParallelPlugin, got {type(plugin).__name__}.")
+        if plugin is not None:
+            _check_plugin(plugin)
         self._plugin = plugin
         self.device = device
 
     @property
-    def plugin(self) -> HybridParallelPlugin:
+    def plugin(self) -> Plugin:
         if self._plugin is None:  # made on first use, so that Booster() may be created before the plugin is known
             self._plugin = HybridParallelPlugin()
         return self._plugin
 
     def boost(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
               criterion: Optional[Callable] = None, dataloader=None, lr_scheduler=None,
-              plugin: Optional[HybridParallelPlugin] = None):
+              plugin: Optional[Plugin] = None):
         """Shard `model` for this rank and wrap the optimizer; returns (model, optimizer, criterion, dataloader,
         lr_scheduler).
 
@@ -53,8 +53,7 @@ class Booster:
             if self._plugin is not None and self._plugin is not plugin:
                 raise ValueError("This Booster already has a plugin; pass the plugin either to Booster(plugin=...) or "
                                  "to boost(..., plugin=...), not a different one to each.")
-            if not isinstance(plugin, HybridParallelPlugin):
-                raise TypeError(f"plugin must be a HybridParallelPlugin, got {type(plugin).__name__}.")
+            _check_plugin(plugin)
             self._plugin = plugin
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
         self.checkpoint_io.register_optimizer(boosted[0], boosted[1])  # load_model refreshes its master weights
@@ -87,10 +86,9 @@ class Booster:
         self.checkpoint_io.save_lora_as_pretrained(model, checkpoint, use_safetensors)
 
     def backward(self, loss: torch.Tensor, optimizer) -> None:
-        """Backward for pp_size == 1 (with a pipeline, execute_pipeline runs the backward passes)."""
-        if self.plugin.pp_size > 1:
-            raise RuntimeError("With pp_size > 1 use booster.execute_pipeline(...), which runs forward and backward.")
-        optimizer.backward(loss)
+        """Backward of `loss` through the boosted optimizer (with a pipeline, execute_pipeline runs the backward
+        passes)."""
+        self.plugin.backward(loss, optimizer)
 
     def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion: Callable, optimizer=None,
                          return_loss: bool = True, return_outputs: bool = False) -> Dict[str, Any]:
@@ -99,24 +97,16 @@ class Booster:
         the microbatch's scalar loss (needed to train)."""
         return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer, return_loss, return_outputs)
 
-    @contextlib.contextmanager
-    def no_sync(self, model: Optional[nn.Module] = None, optimizer=None):
+    def no_sync(self, model: Optional[nn.Module] = None, optimizer=None) -> ContextManager[None]:
         """Gradient accumulation: backward passes inside accumulate locally; the data-parallel reduction starts in
         the first backward outside (or at optimizer.step())."""
-        previous = getattr(model, "require_grad_sync", None)
-        if previous is not None:
-            model.require_grad_sync = False
-        try:
-            yield
-        finally:
-            if previous is not None:
-                model.require_grad_sync = previous
+        return self.plugin.no_sync(model, optimizer)
 
     # -- checkpoints (ColossalAI's signatures; see checkpoint/). Collective: call on every rank. ------------
     @property
-    def checkpoint_io(self) -> HybridParallelCheckpointIO:
+    def checkpoint_io(self) -> BoosterCheckpointIO:
         if getattr(self, "_checkpoint_io", None) is None:
-            self._checkpoint_io = HybridParallelCheckpointIO(CheckpointContext.from_plugin(self.plugin))
+            self._checkpoint_io = self.plugin.get_checkpoint_io()
         return self._checkpoint_io
 
     def save_model(self, model: nn.Module, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
@@ -166,3 +156,9 @@ class Booster:
     def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         self.plugin.arrive("load_lr_scheduler")
         self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
+
+
+def _check_plugin(plugin: object) -> None:
+    if not isinstance(plugin, Plugin):
+        raise TypeError(f"plugin must be a HybridParallelPlugin, LowLevelZeroPlugin or TorchDDPPlugin (a booster_plugin "
+                        f"Plugin), got {type(plugin).__name__}.")

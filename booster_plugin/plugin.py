@@ -24,6 +24,7 @@ from .activation_checkpoint import GradientCheckpointConfig
 from .batch_check import BatchLimits, agree_on_batch, batch_agreed
 from .config import PluginConfig
 from .failure import FailureGuard
+from .hybrid_base import HybridPluginBase
 from .launch import ARRIVAL_TIMEOUT_S, agree_on_layout, default_device, ensure_distributed
 from .microbatches import MicrobatchSplit, token_weighted_scales, without_empty_microbatches
 from .optimizer import HybridParallelOptimizer
@@ -33,7 +34,7 @@ from .stage_calls import chunk_calls, running_step
 from .usage_checks import check_batch_content, check_criterion, check_step_arguments
 
 
-class HybridParallelPlugin:
+class HybridParallelPlugin(HybridPluginBase):
     """Tensor parallel inside each stage, pipeline across stages, data parallel over the rest of the world.
 
     Takes every argument of ColossalAI 0.5's HybridParallelPlugin by name (those it does not act on are listed in

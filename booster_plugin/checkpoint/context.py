@@ -38,6 +38,7 @@ class CheckpointContext:
     def from_plugin(cls, plugin: HybridParallelPlugin) -> CheckpointContext:
         writers = tuple(tuple(plugin.pg_mesh.ravel((0, stage, tp)) for tp in range(plugin.tp_size))
                         for stage in range(plugin.pp_size))
-        return cls(device=plugin.device, rank=dist.get_rank(), stage=plugin.stage, num_stages=plugin.pp_size,
+        # the pipeline stage is the pp coordinate (`plugin.stage` is LowLevelZeroPlugin's ZeRO stage, as ColossalAI)
+        return cls(device=plugin.device, rank=dist.get_rank(), stage=plugin.ctx.pp.rank, num_stages=plugin.pp_size,
                    tp_rank=plugin.tp_rank, tp_size=plugin.tp_size, dp_rank=plugin.dp_rank, dp_size=plugin.dp_size,
                    timeout_s=plugin.timeout, stage_writers=writers)

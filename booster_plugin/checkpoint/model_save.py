@@ -17,6 +17,8 @@ import functools
 import os
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from torch import nn
+
 from ..parallel_module import HybridParallelModule
 from .atomic import replace_file, swap_into_place
 from .context import CheckpointContext
@@ -121,12 +123,13 @@ def _commit(module: HybridParallelModule, save: ModelSave, tmp: str) -> None:
             "metadata": {"total_size": sum(e.nbytes for e in save.plan.entries)},
             "weight_map": {keyed_as(e.name): name for name, fe in save.files for e in fe},
             "checksums": {"algorithm": CHECKSUM_KEY, "tensors": checksums}})
-    _save_config(module, tmp, save.plan.entries)
+    save_config(module.unwrap(), tmp, save.plan.entries)
     swap_into_place(save.checkpoint)
 
 
-def _save_config(module: HybridParallelModule, directory: str, entries: Sequence[Entry]) -> None:
-    unwrapped = module.unwrap()
+def save_config(unwrapped: nn.Module, directory: str, entries: Sequence[Entry]) -> None:
+    """The model's config.json (dtype: the saved tensors' most common floating dtype) and generation_config.json,
+    so that `from_pretrained(directory)` loads the tensors."""
     config = getattr(unwrapped, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         return

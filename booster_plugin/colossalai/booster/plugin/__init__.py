@@ -1,7 +1,5 @@
 """`colossalai.booster.plugin`: the plugins this library implements (see docs/colossalai_inventory.md for the
 others)."""
-from booster_plugin import HybridParallelPlugin
+from booster_plugin import DPPluginBase, HybridParallelPlugin, LowLevelZeroPlugin, Plugin, TorchDDPPlugin
 
-from .plugin_base import Plugin
-
-__all__ = ["HybridParallelPlugin", "Plugin"]
+__all__ = ["DPPluginBase", "HybridParallelPlugin", "LowLevelZeroPlugin", "Plugin", "TorchDDPPlugin"]

@@ -1,13 +1,4 @@
-"""`colossalai.booster.plugin.Plugin`: the type that scripts annotate a plugin argument with."""
-from abc import ABC
-
-from booster_plugin import HybridParallelPlugin
+"""`colossalai.booster.plugin.plugin_base`: the base class every plugin of this library derives from."""
+from booster_plugin.plugin_base import Plugin
 
 __all__ = ["Plugin"]
-
-
-class Plugin(ABC):
-    """Any Booster plugin: `isinstance(plugin, Plugin)` holds for every plugin of this library (registered below)."""
-
-
-Plugin.register(HybridParallelPlugin)

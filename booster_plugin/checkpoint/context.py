@@ -6,13 +6,19 @@ that reads the plugin (its mesh, ranks, sizes, device, timeout).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Tuple
+from typing import Protocol, Tuple
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from ..plugin import HybridParallelPlugin
+from pipeline.context import ParallelContext
+
+
+class PluginLayout(Protocol):
+    """What `from_plugin` reads of a plugin (HybridParallelPlugin and its subclasses)."""
+    ctx: ParallelContext
+    device: torch.device
+    timeout: float
 
 
 @dataclass(frozen=True)
@@ -35,10 +41,10 @@ class CheckpointContext:
         return self.stage_writers[stage][tp_rank]
 
     @classmethod
-    def from_plugin(cls, plugin: HybridParallelPlugin) -> CheckpointContext:
-        writers = tuple(tuple(plugin.pg_mesh.ravel((0, stage, tp)) for tp in range(plugin.tp_size))
-                        for stage in range(plugin.pp_size))
-        # the pipeline stage is the pp coordinate (`plugin.stage` is LowLevelZeroPlugin's ZeRO stage, as ColossalAI)
-        return cls(device=plugin.device, rank=dist.get_rank(), stage=plugin.ctx.pp.rank, num_stages=plugin.pp_size,
-                   tp_rank=plugin.tp_rank, tp_size=plugin.tp_size, dp_rank=plugin.dp_rank, dp_size=plugin.dp_size,
+    def from_plugin(cls, plugin: PluginLayout) -> CheckpointContext:
+        ctx = plugin.ctx
+        writers = tuple(tuple(ctx.global_rank(dp=0, pp=stage, tp=tp) for tp in range(ctx.tp.size))
+                        for stage in range(ctx.pp.size))
+        return cls(device=plugin.device, rank=dist.get_rank(), stage=ctx.pp.rank, num_stages=ctx.pp.size,
+                   tp_rank=ctx.tp.rank, tp_size=ctx.tp.size, dp_rank=ctx.dp.rank, dp_size=ctx.dp.size,
                    timeout_s=plugin.timeout, stage_writers=writers)

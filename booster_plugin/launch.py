@@ -9,7 +9,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_device", "ensure_distributed", "alias", "agree_on_layout", "agree_on_values", "check_int",
+__all__ = ["default_device", "ensure_distributed", "alias", "agree_on_layout", "agree_on_values", "arrival_barrier",
+           "check_int",
            "DEFAULT_TIMEOUT_S", "ARRIVAL_TIMEOUT_S"]
 
 # how long a collective may wait for a rank before every rank fails (torch's default is 30 minutes for gloo: a
@@ -93,3 +94,16 @@ def agree_on_values(what: str, fix: str, values: Dict[str, int]) -> None:
 def check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+
+def arrival_barrier(call: str, seconds: float) -> None:
+    """A monitored barrier over the world before the collective call `call`: a call made on some ranks only (e.g.
+    under `if rank == 0:`) fails within `seconds` on the ranks that arrived, naming the missing ranks, instead of
+    hanging in the call's first collective. Backends without monitored barriers (NCCL alone) skip it."""
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=seconds), wait_all_ranks=True)
+    except NotImplementedError:
+        return
+    except RuntimeError as error:
+        raise RuntimeError(f"{call} is collective: every rank must call it (not only under `if rank == 0:`), but some "
+                           f"ranks did not reach it within {seconds:.0f} s of the first ({error}).") from None

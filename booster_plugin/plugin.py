@@ -25,7 +25,7 @@ from .batch_check import BatchLimits, agree_on_batch, batch_agreed
 from .config import PluginConfig
 from .failure import FailureGuard
 from .hybrid_base import HybridPluginBase
-from .launch import ARRIVAL_TIMEOUT_S, agree_on_layout, default_device, ensure_distributed
+from .launch import ARRIVAL_TIMEOUT_S, agree_on_layout, arrival_barrier, default_device, ensure_distributed
 from .microbatches import MicrobatchSplit, token_weighted_scales, without_empty_microbatches
 from .optimizer import HybridParallelOptimizer
 from .parallel_module import HybridParallelModule
@@ -308,14 +308,7 @@ class HybridParallelPlugin(HybridPluginBase):
         self.failure_guard.check()
         window = min(self.timeout, ARRIVAL_TIMEOUT_S)
         with self.failure_guard.step(call):
-            try:
-                dist.monitored_barrier(timeout=timedelta(seconds=window), wait_all_ranks=True)
-            except NotImplementedError:
-                return
-            except RuntimeError as error:
-                raise RuntimeError(f"{call} is collective: every rank must call it (not only under `if rank == 0:`), "
-                                   f"but some ranks did not reach it within {window:.0f} s of the first ({error})."
-                                   ) from None
+            arrival_barrier(call, window)
 
     def _agreed_microbatches(self, batch: Any, limits: BatchLimits) -> List[Dict[str, Any]]:
         """This step's microbatches, split once while every rank agrees on its batch (collective)."""

@@ -3,7 +3,6 @@ gradients averaged by DDP's bucketed all-reduce), with HF-format model checkpoin
 from __future__ import annotations
 
 import warnings
-from datetime import timedelta
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -15,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from .checkpoint.ddp_io import TorchDDPCheckpointIO, ddp_context
-from .launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, default_device, ensure_distributed
+from .launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
 from .optimizer_wrapper import OptimizerWrapper
 from .plugin_base import DPPluginBase
 
@@ -92,10 +91,4 @@ class TorchDDPPlugin(DPPluginBase):
     def arrive(self, call: str) -> None:
         """A monitored barrier over the world: a collective call made on some ranks only fails within
         ARRIVAL_TIMEOUT_S on the ranks that arrived (backends without monitored barriers skip it)."""
-        try:
-            dist.monitored_barrier(timeout=timedelta(seconds=ARRIVAL_TIMEOUT_S), wait_all_ranks=True)
-        except NotImplementedError:
-            return
-        except RuntimeError as error:
-            raise RuntimeError(f"{call} is collective: every rank must call it (not only under `if rank == 0:`), "
-                               f"but some ranks did not reach it within {ARRIVAL_TIMEOUT_S:.0f} s ({error}).") from None
+        arrival_barrier(call, ARRIVAL_TIMEOUT_S)

@@ -4,6 +4,9 @@ Structure, shapes, dtypes and small non-tensor values travel as JSON bytes (neve
 on, a link's first transfer of each step starts with a one-int64 header (0 = "same metadata as last time", else
 the length of the new metadata that follows); the step's other transfers carry only tensors, since the
 microbatches of one step share their shapes (the sender checks it). With the cache off every transfer has a header.
+A link may carry several channels (the schedule uses one per virtual-stage edge: with interleaved chunks one pair of
+ranks passes the outputs of several virtual stages, which may differ in structure); each channel caches its own
+metadata.
 
 Two transports: "p2p" (batched isend/irecv; sends never wait, they complete by `flush`, so they overlap the next
 compute and a schedule cannot deadlock on a send) and
@@ -14,7 +17,7 @@ run forward-direction first on both ends of a link, which keeps the order of col
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -53,6 +56,21 @@ def _metadata(tree: Dict[str, Any], tensors: List[torch.Tensor]) -> bytes:
     return json.dumps({"tree": tree, "tensors": specs}, separators=(",", ":")).encode()
 
 
+class Send(NamedTuple):
+    """One send of `exchange` (a plain (peer, direction, obj) tuple is channel 0)."""
+    peer: int
+    direction: str  # FORWARD or BACKWARD
+    obj: Any        # nested structure of tensors
+    channel: int = 0
+
+
+class Recv(NamedTuple):
+    """One receive of `exchange` (a plain (peer, direction) tuple is channel 0)."""
+    peer: int
+    direction: str
+    channel: int = 0
+
+
 class _Link:
     """One direction of one link: what was last sent/received, so unchanged metadata is not sent again."""
 
@@ -73,7 +91,7 @@ class PipelineP2PCommunication:
         self.device = torch.device(device)
         self.transport = transport
         self.enable_metadata_cache = enable_metadata_cache
-        self._links: Dict[Tuple[int, str, str], _Link] = {}
+        self._links: Dict[Tuple[int, str, str, int], _Link] = {}
         self._pair_groups: Dict[Tuple[int, int], dist.ProcessGroup] = {}
         if transport == "broadcast":
             mesh, axis, n = stage_manager.pg_mesh, stage_manager.pipeline_axis, stage_manager.num_stages
@@ -105,8 +123,8 @@ class PipelineP2PCommunication:
         return self.exchange(sends=[(peer, BACKWARD, obj)], recvs=[(peer, FORWARD)])[0]
 
     # -- machinery ----------------------------------------------------------------------------------------
-    def _link(self, peer: int, direction: str, way: str) -> _Link:
-        return self._links.setdefault((peer, direction, way), _Link())
+    def _link(self, peer: int, direction: str, way: str, channel: int) -> _Link:
+        return self._links.setdefault((peer, direction, way, channel), _Link())
 
     def new_step(self) -> None:
         """Called by the schedule at each step start: the next transfer on every link carries a header again."""
@@ -119,21 +137,23 @@ class PipelineP2PCommunication:
             work.wait()
         self._pending_sends.clear()
 
-    def exchange(self, sends: List[Tuple[int, str, Any]], recvs: List[Tuple[int, str]]) -> List[Any]:
+    def exchange(self, sends: Sequence[Union[Send, Tuple[int, str, Any]]],
+                 recvs: Sequence[Union[Recv, Tuple[int, str]]]) -> List[Any]:
         """Send and receive together: headers and changed metadata where due, then the tensors.
 
         Args:
-            sends: (peer rank, "fwd" or "bwd", nested structure of tensors) to send; with the "p2p" transport
-                sends never wait for the receiver (they complete by `flush`).
-            recvs: (peer rank, "fwd" or "bwd") to receive, returned in this order. Transfers between two ranks are
-                matched first-in first-out: both ends must issue them in the same order.
+            sends: (peer rank, "fwd" or "bwd", nested structure of tensors[, channel]) to send; with the "p2p"
+                transport sends never wait for the receiver (they complete by `flush`).
+            recvs: (peer rank, "fwd" or "bwd"[, channel]) to receive, returned in this order. Transfers between two
+                ranks are matched first-in first-out: both ends must issue them in the same order (and channels).
         """
         cache = self.enable_metadata_cache
+        sends, recvs = [Send(*s) for s in sends], [Recv(*r) for r in recvs]
         header_sends, meta_sends, out_tensors = [], [], []
-        for peer, direction, obj in sends:
+        for peer, direction, obj, channel in sends:
             tree, tensors = flatten(obj)
             meta = _metadata(tree, tensors)
-            link = self._link(peer, direction, "send")
+            link = self._link(peer, direction, "send", channel)
             if cache and not link.header_due and meta != link.meta:
                 raise RuntimeError("A pipeline stage sent differently shaped data within one step; the metadata "
                                    "cache assumes equal microbatches. Use enable_metadata_cache=False.")
@@ -145,29 +165,29 @@ class PipelineP2PCommunication:
                 link.meta, link.header_due = meta, False
             out_tensors.append([t.detach().to(self.device).contiguous() for t in tensors])
         header_recvs = []
-        for peer, direction in recvs:
-            link = self._link(peer, direction, "recv")
+        for peer, direction, channel in recvs:
+            link = self._link(peer, direction, "recv", channel)
             if not cache or link.header_due:
-                header_recvs.append((peer, direction, torch.empty(1, dtype=torch.int64, device=self.device)))
+                header_recvs.append((peer, direction, torch.empty(1, dtype=torch.int64, device=self.device), link))
                 link.header_due = False
         if header_sends or header_recvs:
-            self._run(header_sends, header_recvs)
-        meta_recvs = [(p, d, torch.empty(int(h.item()), dtype=torch.uint8, device=self.device))
-                      for p, d, h in header_recvs if h.item() > 0]
+            self._run(header_sends, [(p, d, h) for p, d, h, _ in header_recvs])
+        meta_recvs = [(p, d, torch.empty(int(h.item()), dtype=torch.uint8, device=self.device), link)
+                      for p, d, h, link in header_recvs if h.item() > 0]
         if meta_sends or meta_recvs:
-            self._run(meta_sends, meta_recvs)
-        for peer, direction, raw in meta_recvs:
-            self._link(peer, direction, "recv").decoded = json.loads(bytes(raw.cpu().numpy()).decode())
+            self._run(meta_sends, [(p, d, raw) for p, d, raw, _ in meta_recvs])
+        for _, _, raw, link in meta_recvs:
+            link.decoded = json.loads(bytes(raw.cpu().numpy()).decode())
         decoded = []
-        for peer, direction in recvs:
-            link = self._link(peer, direction, "recv")
+        for peer, direction, channel in recvs:
+            link = self._link(peer, direction, "recv", channel)
             if link.decoded is None:
                 raise RuntimeError(f"Pipeline P2P: rank {peer} sent cached metadata that this rank never received.")
             decoded.append(link.decoded)
         in_tensors = [[torch.empty(shape, dtype=getattr(torch, dtype), device=self.device) for shape, dtype, _ in d["tensors"]]
                       for d in decoded]
-        self._run([(p, d, t) for (p, d, _), ts in zip(sends, out_tensors) for t in ts],
-                  [(p, d, t) for (p, d), ts in zip(recvs, in_tensors) for t in ts])
+        self._run([(s.peer, s.direction, t) for s, ts in zip(sends, out_tensors) for t in ts],
+                  [(r.peer, r.direction, t) for r, ts in zip(recvs, in_tensors) for t in ts])
         results = []
         for d, tensors in zip(decoded, in_tensors):
             for t, (_, _, requires_grad) in zip(tensors, d["tensors"]):

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .actions import COMM, B, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind, Schedule, peer_stage
 from .nested import detached, grad_pairs, handed_off, input_grads
-from .p2p import BACKWARD, FORWARD, PipelineP2PCommunication
+from .p2p import BACKWARD, FORWARD, PipelineP2PCommunication, Recv, Send
 from .split_backward import WeightGradStore, deferring
 from .stage_manager import PipelineStageManager
 
@@ -114,12 +114,14 @@ class StepRun:
         if not batch:
             return batch
         peer = lambda a: self.stage_manager.stage_ranks[self.layout.rank_of(peer_stage(a))]  # noqa: E731
-        sends = [(peer(a), FORWARD if a.kind == SEND_F else BACKWARD, self.outbox.pop(a))
+        edge = lambda a: min(a.stage, peer_stage(a))  # noqa: E731  (a channel: edges may differ in structure)
+        sends = [Send(peer(a), FORWARD if a.kind == SEND_F else BACKWARD, self.outbox.pop(a), edge(a))
                  for a in batch if a.kind in (SEND_F, SEND_B)]
         recvs = [a for a in batch if a.kind in (RECV_F, RECV_B)]
         kind = "send+recv" if sends and recvs else "send" if sends else "recv"
         with self.span(kind, -1):
-            got = self.p2p.exchange(sends, [(peer(a), FORWARD if a.kind == RECV_F else BACKWARD) for a in recvs])
+            got = self.p2p.exchange(sends, [Recv(peer(a), FORWARD if a.kind == RECV_F else BACKWARD, edge(a))
+                                            for a in recvs])
         for a, obj in zip(recvs, got):
             (self.fwd_in if a.kind == RECV_F else self.bwd_in)[(a.stage, a.microbatch)] = obj
         return []

@@ -14,6 +14,8 @@ which submodules exist.
   keyword `pipeline_chunk` (default 0) and runs the forward once with only that chunk's layers visible in the layer
   list, the real entry modules only for the first virtual stage (stand-ins otherwise) and the exit only for the last
   one.
+- Router logits of mixture-of-experts models travel with the hidden states (key `pipeline_router_logits`), so the
+  last stage's load-balancing loss sees every layer's, as one process's does (router_logits.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
+
+from .router_logits import ROUTER_LOGITS, prepend_router_logits, recorded_router_logits
 
 INPUT, ZEROS, IDENTITY = "input", "zeros", "identity"
 CHUNK_ARGUMENT = "pipeline_chunk"  # the keyword of a stage call that names the chunk to run
@@ -103,9 +107,21 @@ def held_layer_list(layers: nn.ModuleList, indices: Sequence[int]) -> HeldLayers
 
 
 class _StageExit(Exception):
-    def __init__(self, output: Any) -> None:
+    """Ends a non-last stage's forward with what it sends on."""
+
+    def __init__(self, output: Dict[str, Any]) -> None:
         super().__init__("pipeline stage output")
         self.output = output
+
+
+def _stage_output(layer_output: Any) -> Dict[str, Any]:
+    """What a non-last stage sends on, taken inside its forward: the last layer's hidden states, and the router
+    logits recorded so far where the forward records them."""
+    output = {"hidden_states": layer_output[0] if isinstance(layer_output, (tuple, list)) else layer_output}
+    router_logits = recorded_router_logits()
+    if router_logits is not None:
+        output[ROUTER_LOGITS] = router_logits
+    return output
 
 
 class ChunkView(NamedTuple):
@@ -131,6 +147,7 @@ class StageForward:
         self.model, self.chunks, self.layers = model, list(chunks), layers
         self._armed: Optional[nn.Module] = None
         self._value: Optional[torch.Tensor] = None
+        self._router_logits: Optional[Sequence[torch.Tensor]] = None  # received with `_value`
         params = inspect.signature(model.forward).parameters
         self._extra = {"use_cache": False} if "use_cache" in params else {}
         for view in self.chunks:
@@ -143,6 +160,9 @@ class StageForward:
         value, self._value = self._value, None
         if value is None:  # not a stage call: leave the arguments alone (recomputation checkpoints `forward`, so it
             return None    # replays the substituted input)
+        router_logits, self._router_logits = self._router_logits, None
+        if router_logits is not None:
+            prepend_router_logits(router_logits)
         if args:
             return (value, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": value}
@@ -150,14 +170,15 @@ class StageForward:
     def _exit_hook(self, module, args, output):
         if self._armed is module:  # disarmed during activation recomputation, which re-runs the layer in backward
             self._armed = None
-            raise _StageExit(output[0] if isinstance(output, (tuple, list)) else output)
+            raise _StageExit(_stage_output(output))
 
     def __call__(self, hidden_states: Optional[torch.Tensor] = None, pipeline_chunk: int = 0, **kwargs) -> Any:
         view = self.chunks[pipeline_chunk]
+        router_logits = kwargs.pop(ROUTER_LOGITS, None)  # earlier stages' (router_logits.py)
         if view.entry_layer is not None:
             if hidden_states is None:
                 raise ValueError("This pipeline stage needs the previous stage's `hidden_states`.")
-            self._value = hidden_states
+            self._value, self._router_logits = hidden_states, router_logits
         restore = {path: self.model.get_submodule(path) for path in view.modules}
         for path, module in view.modules.items():
             replace_submodule(self.model, path, module)
@@ -170,14 +191,14 @@ class StageForward:
         try:
             return self.model(**kwargs, **self._extra)
         except _StageExit as done:
-            return {"hidden_states": done.output}
+            return done.output
         finally:
             self._armed = None
             self.layers.active = None
             base.config = config
             for path, module in restore.items():
                 replace_submodule(self.model, path, module)
-            self._value = None
+            self._value = self._router_logits = None
 
 
 def get_submodule_parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:

@@ -9,7 +9,14 @@ against the bytes of its shard. Target: <= 1.3x.
 
     python benchmarks/bench_lazy_init.py [--stages 0 3]
 
-Not a test. Writes benchmarks/results/lazy_init.json.
+`--pretrained`: lazy `from_pretrained` (ColossalAI's `with LazyInitContext(): AutoModelForCausalLM.from_pretrained`)
+against the eager load, both boosted with tp=2 on 2 gloo ranks, on a ~670 MB fp32 Llama saved with save_pretrained.
+Each mode runs in fresh processes; each rank reports its peak RSS during load + boost (VmHWM, reset with
+/proc/self/clear_refs after process-group setup and a warm-up load + boost of a tiny model of the same class, so
+that imports are not counted) minus its RSS then, against its shard's bytes. The lazy ranks read their shard from
+the safetensors slices; the eager ones load the whole model, then shard it.
+
+Not a test. Writes benchmarks/results/lazy_init.json (--pretrained: lazy_init_pretrained.json).
 """
 from __future__ import annotations
 
@@ -98,20 +105,115 @@ def _worker(rank: int, world: int, port: int, stages, queue) -> None:
         dist.destroy_process_group()
 
 
-def main() -> None:
+# -- --pretrained: lazy from_pretrained vs eager load at tp=2 ---------------------------------------------------------
+PRETRAINED = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                  num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
+        f.write("5")
+
+
+def _load(path: str, mode: str):
+    from transformers import AutoModelForCausalLM
+
+    from booster_plugin.compat import LazyInitContext
+
+    if mode == "eager":
+        return AutoModelForCausalLM.from_pretrained(path)
+    with LazyInitContext():
+        return AutoModelForCausalLM.from_pretrained(path)
+
+
+def _pretrained_worker(rank: int, world: int, port: int, path: str, tiny: str, mode: str, queue) -> None:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from booster_plugin import Booster, HybridParallelPlugin
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        # warm-up on a tiny model of the same class: the modules a load and a boost import are in the baseline
+        Booster(plugin=HybridParallelPlugin(tp_size=world)).boost(_load(tiny, mode))
+        booster = Booster(plugin=HybridParallelPlugin(tp_size=world))
+        dist.barrier()
+        gc.collect()
+        baseline_kb = _status_kb("VmRSS")
+        _reset_peak()
+        t0 = time.perf_counter()
+        model = _load(path, mode)
+        t_load = time.perf_counter() - t0
+        model, *_ = booster.boost(model)
+        t_total = time.perf_counter() - t0
+        peak_kb = _status_kb("VmHWM")
+        params = list(model.parameters())
+        shard = sum(p.numel() * p.element_size() for p in params)
+        queue.put({"rank": rank, "mode": mode, "shard_bytes": shard, "baseline_rss_bytes": baseline_kb * 1024,
+                   "peak_minus_baseline_bytes": (peak_kb - baseline_kb) * 1024,
+                   "ratio_to_shard": (peak_kb - baseline_kb) * 1024 / shard,
+                   "checksum": float(sum(p.detach().double().sum() for p in params)),
+                   "load_seconds": round(t_load, 2), "load_and_boost_seconds": round(t_total, 2)})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_pretrained() -> None:
+    import tempfile
+
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory() as root:
+        path, tiny = os.path.join(root, "model"), os.path.join(root, "tiny")
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**{**PRETRAINED, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+                                        "num_hidden_layers": 1})).save_pretrained(tiny)
+        model = LlamaForCausalLM(LlamaConfig(**PRETRAINED))
+        full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        model.save_pretrained(path)
+        del model
+        rows = {mode: _spawn(_pretrained_worker, 2, path, tiny, mode) for mode in ("eager", "lazy")}
+    mib = 1024 ** 2
+    print(f"Llama (hidden 1024, 8 layers, vocab 32000), fp32, {full_bytes / mib:.0f} MiB; boost tp=2 on 2 ranks")
+    print(f"{'mode':>5} {'rank':>4} {'shard MiB':>9} {'peak-base MiB':>13} {'peak/shard':>10} {'load s':>6} "
+          f"{'+boost s':>8}")
+    for mode, mode_rows in rows.items():
+        for r in mode_rows:
+            print(f"{mode:>5} {r['rank']:>4} {r['shard_bytes'] / mib:>9.1f} "
+                  f"{r['peak_minus_baseline_bytes'] / mib:>13.1f} {r['ratio_to_shard']:>10.3f} "
+                  f"{r['load_seconds']:>6.2f} {r['load_and_boost_seconds']:>8.2f}")
+    same = all(a["checksum"] == b["checksum"] for a, b in zip(rows["eager"], rows["lazy"]))
+    ratio = max(r["peak_minus_baseline_bytes"] for r in rows["lazy"]) / \
+        max(r["peak_minus_baseline_bytes"] for r in rows["eager"])
+    print(f"worst rank's peak, lazy / eager: {ratio:.3f}; shards equal (checksum): {same}")
+    out = {"benchmark": "lazy_init_pretrained", "model": PRETRAINED, "dtype": "float32", "tp_size": 2,
+           "full_model_bytes": full_bytes, "peak_ratio_lazy_to_eager": ratio, "shards_equal": same, "ranks": rows,
+           "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
+                           "cpu_count": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}}
+    path = os.path.join(ROOT, "benchmarks", "results", "lazy_init_pretrained.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"wrote {path}")
+
+
+def _spawn(target, world: int, *args) -> list:
+    """Run `target(rank, world, port, *args, queue)` on `world` fresh processes; the rows they put, by rank."""
     import torch.multiprocessing as mp
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, PP - 1],
-                        help="pipeline stages whose ranks materialize and are measured (default: first and last)")
-    args = parser.parse_args()
-    world = TP * PP
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, tuple(args.stages), queue)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -121,7 +223,20 @@ def main() -> None:
     rows = []
     while not queue.empty():
         rows.append(queue.get())
-    rows.sort(key=lambda r: r["rank"])
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, PP - 1],
+                        help="pipeline stages whose ranks materialize and are measured (default: first and last)")
+    parser.add_argument("--pretrained", action="store_true",
+                        help="lazy from_pretrained vs eager load, tp=2 on 2 ranks (see the module docstring)")
+    args = parser.parse_args()
+    if args.pretrained:
+        _run_pretrained()
+        return
+    rows = _spawn(_worker, TP * PP, tuple(args.stages))
 
     gib = 1024 ** 3
     print(f"Llama 7B-class (hidden 4096, 32 layers, vocab 32000), bf16, tp={TP} x pp={PP}; "

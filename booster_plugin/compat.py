@@ -11,7 +11,8 @@
 | `colossalai.pipeline.schedule.v_schedule.PipelineGraph` | `booster_plugin.compat.PipelineGraph` (v_schedule.py) |
 
 Each is built on torch: torch.distributed for the coordinator, torch.optim.Adam for HybridAdam, the meta device for
-lazy initialization (the plugin materializes only each rank's shard at `boost`), torch.accelerator for devices.
+lazy initialization (booster_plugin/lazy: `from_pretrained` too; the plugin materializes only each rank's shard at
+`boost`), torch.accelerator for devices.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .launch import default_device, ensure_distributed
+from .lazy import LazyInitContext
 from .v_schedule import PipelineGraph, ScheduledNode
 
 __all__ = ["DistCoordinator", "HybridAdam", "LazyInitContext", "PipelineGraph", "ScheduledNode", "get_accelerator",
@@ -151,26 +153,6 @@ class HybridAdam(torch.optim.Adam):
                           "are unaffected.", stacklevel=2)
         super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          decoupled_weight_decay=adamw_mode, **defaults)
-
-
-class LazyInitContext:
-    """Build a model without allocating its weights: `with LazyInitContext(): model = Model(config)` puts every
-    tensor on the meta device; `booster.boost` then allocates and initializes only this rank's shard (the model's
-    own `_init_weights`), and `booster.load_model` fills in pretrained weights.
-
-    Args:
-        default_device: accepted for compatibility; the plugin materializes on its own device.
-    """
-
-    def __init__(self, default_device: Any = None) -> None:
-        self._meta = torch.device("meta")
-
-    def __enter__(self) -> "LazyInitContext":
-        self._meta.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._meta.__exit__(*exc)
 
 
 class _Accelerator:

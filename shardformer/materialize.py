@@ -1,9 +1,11 @@
 """Lazy initialization: a model built under `torch.device("meta")` costs no memory; after sharding only this rank's
-shard is left, so allocating it then keeps the peak near the shard's size."""
+shard is left, so allocating it then keeps the peak near the shard's size. A model loaded lazily (`from_pretrained`
+under `LazyInitContext`) carries its checkpoint's `WeightSources` (lazy_sources.py): those tensors are read from the
+checkpoint, this rank's slice only, the others initialized as `from_pretrained` initializes missing keys."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ from .layer.embedding import VocabParallelEmbedding
 from .layer.linear import ColumnParallelLinear, RowParallelLinear
 from .layer.replicated import sum_grad_over_tp
 from .layer.spec import get_tp_spec, zero_padding
+from .lazy_sources import DEVICE_TAG, WeightSources, detach_sources, sources_of, tensor_names
 
 __all__ = ["materialize"]
 
@@ -27,10 +30,15 @@ def materialize(model: nn.Module, device, group: Optional[ProcessGroup], stage: 
     layers through a native-class view of their shard, vocab padding zeroed; buffers such as rotary `inv_freq`
     recomputed), drawn per pipeline `stage` and rank of the tp `group`. Replicated parameters differ between tp ranks
     here: the plugin's `sync_params` then broadcasts them over tp (and everything over dp). Non-meta tensors are left
-    untouched. Returns the number of bytes allocated; 0 when nothing was on meta.
+    untouched. Tensors the model's `WeightSources` hold are filled from the checkpoint instead (after the init, which
+    leaves them alone), and the sources are dropped. Returns the number of bytes allocated; 0 when nothing was on
+    meta.
     """
     device = torch.device(device)
+    sources = sources_of(model)
+    names = tensor_names(model) if sources is not None else {}
     new_of: Dict[int, torch.Tensor] = {}
+    from_checkpoint: List[Tuple[str, torch.Tensor]] = []  # (source name, new tensor)
     keep_alive: List[torch.Tensor] = []  # ids of replaced tensors must stay unique while new_of is in use
     for module in model.modules():
         for store in (module._parameters, module._buffers):
@@ -40,12 +48,28 @@ def materialize(model: nn.Module, device, group: Optional[ProcessGroup], stage: 
                 if id(t) not in new_of:
                     new_of[id(t)] = _allocated(t, device, group)
                     keep_alive.append(t)
+                    source = sources.find(names.get(id(t), ())) if sources is not None else None
+                    if source is not None:
+                        from_checkpoint.append((source, new_of[id(t)]))
                 store[key] = new_of[id(t)]
+    detach_sources(model)
     if not new_of:
         return 0
-    if init:
-        _init_materialized(model, {id(t) for t in new_of.values()}, device, group, stage)
+    loaded = {id(t) for _, t in from_checkpoint}
+    fresh = {id(t) for t in new_of.values() if id(t) not in loaded}
+    if init and fresh:
+        _init_materialized(model, fresh, device, group, stage)
+    if from_checkpoint:
+        _fill(sources, from_checkpoint, group)
     return sum(t.numel() * t.element_size() for t in new_of.values())
+
+
+def _fill(sources: WeightSources, targets: Sequence[Tuple[str, torch.Tensor]], group: Optional[ProcessGroup]) -> None:
+    """This rank's shard of each checkpoint tensor, read into its new tensor (vocab padding zeroed)."""
+    rank = dist.get_rank(group) if group is not None else 0
+    world = dist.get_world_size(group) if group is not None else 1
+    for name, t in targets:
+        sources.fill(name, t.data, get_tp_spec(t), rank, world)
 
 
 def _allocated(t: torch.Tensor, device: torch.device, group: Optional[ProcessGroup]) -> torch.Tensor:
@@ -54,7 +78,7 @@ def _allocated(t: torch.Tensor, device: torch.device, group: Optional[ProcessGro
     if not isinstance(t, nn.Parameter):
         return data
     new = nn.Parameter(data, requires_grad=t.requires_grad)
-    skip = ("_is_hf_initialized", "_grad_summed_over_tp")
+    skip = ("_is_hf_initialized", "_grad_summed_over_tp", DEVICE_TAG)
     new.__dict__.update({k: v for k, v in t.__dict__.items() if k not in skip})
     if getattr(t, "_grad_summed_over_tp", False):  # its gradient hook stays with `t`
         sum_grad_over_tp(new, group)
@@ -71,8 +95,9 @@ def _init_materialized(model: nn.Module, materialized: Set[int], device: torch.d
     except ImportError:  # plain torch models: reset_parameters only
         PreTrainedModel, guard = None, None
     # other tensors are flagged as initialized, so HF's guarded init functions leave them alone
-    flagged = [t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())
-               if t is not None and id(t) not in materialized and not getattr(t, "_is_hf_initialized", False)]
+    flagged = list({id(t): t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())
+                    if t is not None and id(t) not in materialized and not getattr(t, "_is_hf_initialized", False)
+                    }.values())  # once each: a tied weight sits in two modules
     for t in flagged:
         t._is_hf_initialized = True
     tp_rank = dist.get_rank(group) if group is not None else 0

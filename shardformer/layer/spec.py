@@ -12,7 +12,8 @@ from torch.distributed import ProcessGroup
 from .comm import get_tp_world_size
 
 __all__ = ["TPSpec", "set_tp_spec", "get_tp_spec", "padded_size", "ShardRange", "shard_ranges", "shard_from",
-           "shard_tensor", "zero_padding", "unshard", "gather_tensor", "shard_parameter", "UnshardedStateDict"]
+           "fill_shard", "shard_tensor", "zero_padding", "unshard", "gather_tensor", "shard_parameter",
+           "UnshardedStateDict"]
 
 
 @dataclass
@@ -89,6 +90,24 @@ def shard_from(read: Callable[[int, int], Tensor], size: int, dim: int, spec: TP
             shape[dim] = r.padding
             parts.append(part.new_zeros(shape))
     return torch.cat(parts, dim=dim)
+
+
+@torch.no_grad()
+def fill_shard(dst: Tensor, read: Callable[[int, int], Tensor], size: int, dim: int, spec: TPSpec | None, rank: int,
+               world: int) -> None:
+    """Copy this rank's shard, as `shard_from` lays it out, into `dst` (the shard's shape; any dtype and device)
+    without building it first: each range `read(start, stop)` returns (entries of the full tensor along `dim`, which
+    has `size` of them) goes straight into its place, padding is zeroed. `spec` None: the whole tensor."""
+    if spec is None:
+        dst.copy_(read(0, size))
+        return
+    step = dst.size(dim) // spec.n_fused
+    for area, r in enumerate(shard_ranges(spec, size, rank, world)):
+        block = dst.narrow(dim, area * step, step)
+        if r.stop > r.start:
+            block.narrow(dim, 0, r.stop - r.start).copy_(read(r.start, r.stop))
+        if r.padding:
+            block.narrow(dim, r.stop - r.start, r.padding).zero_()
 
 
 def shard_tensor(full: Tensor, spec: TPSpec, rank: int, world: int) -> Tensor:

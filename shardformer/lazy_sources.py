@@ -1,0 +1,52 @@
+"""Where a lazily built model's weights come from: the seam between whoever built the model without its weights
+(booster_plugin/lazy: `from_pretrained` under `LazyInitContext`) and `materialize`, which allocates what is still
+on the meta device (after sharding: this rank's shard only).
+
+A model may carry a `WeightSources` (attached with `attach_sources`): for each parameter or buffer name it can fill
+with checkpoint values, `fill` copies this rank's shard of that tensor into a freshly allocated one. Names it does
+not hold are initialized by the model's own init (materialize.py), as missing keys are by `from_pretrained`.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Protocol, Sequence
+
+from torch import Tensor, nn
+
+from .layer.spec import TPSpec
+
+__all__ = ["WeightSources", "attach_sources", "sources_of", "detach_sources", "tensor_names", "DEVICE_TAG"]
+
+_ATTR = "_lazy_weight_sources"
+DEVICE_TAG = "_lazy_device"  # on a meta tensor: the device LazyInitContext(default_device=...) materializes it on
+
+
+class WeightSources(Protocol):
+    """Checkpoint values of a lazily built model, by unsharded parameter / buffer name."""
+
+    def find(self, names: Sequence[str]) -> Optional[str]:
+        """The first of `names` (all names of one tensor: tied weights have several) that comes from the checkpoint;
+        None when the tensor comes from the model's own init."""
+
+    def fill(self, name: str, dst: Tensor, spec: Optional[TPSpec], rank: int, world: int) -> None:
+        """Copy `rank`'s shard (`spec` over `world` ranks; the whole tensor when `spec` is None) of the checkpoint
+        tensor of `name` into `dst` (the shard's shape, any dtype and device), reading only the shard's bytes."""
+
+
+def attach_sources(model: nn.Module, sources: WeightSources) -> None:
+    object.__setattr__(model, _ATTR, sources)  # a plain attribute: not a submodule, not in the state dict
+
+
+def sources_of(model: nn.Module) -> Optional[WeightSources]:
+    return model.__dict__.get(_ATTR)
+
+
+def detach_sources(model: nn.Module) -> None:
+    model.__dict__.pop(_ATTR, None)
+
+
+def tensor_names(model: nn.Module) -> Dict[int, List[str]]:
+    """{id: every name} of the model's parameters and buffers (a tied weight has several)."""
+    names: Dict[int, List[str]] = {}
+    for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(t), []).append(name)
+    return names

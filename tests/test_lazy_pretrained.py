@@ -1,0 +1,154 @@
+"""Lazy init as ColossalAI users write it: `with LazyInitContext(): model = AutoModelForCausalLM.from_pretrained(dir)`
+builds the model on the meta device, remembering where each weight comes from; `boost` then reads each rank's shard
+from the safetensors slices (or initializes it), and `LazyInitContext.materialize(model)` the whole model.
+
+Checked against the model loaded normally: (a) tp=2 and pp=2 on 2 ranks, the parameters equal the eager model's
+shards bit for bit and one training step equals the eager model's; (b) without a plugin, the materialized model
+equals `from_pretrained`'s (dtype argument, missing keys, keyword config overrides, buffers); (c) tied embeddings
+stay tied, before and after boost."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaModel
+
+from booster_plugin import Booster, HybridParallelPlugin
+from booster_plugin.colossalai.lazy import LazyInitContext
+from tests import model_utils as mu
+from tests.dist_utils import run_distributed
+
+
+def _config(tie: bool) -> LlamaConfig:
+    config = mu.llama_config(4)
+    config.tie_word_embeddings = tie
+    return config
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{name: directory} of save_pretrained checkpoints: a tiny Llama (untied, tied) and a base Llama (no head)."""
+    root = tmp_path_factory.mktemp("lazy_pretrained")
+    out = {}
+    for name, build in (("untied", lambda: LlamaForCausalLM(_config(False))),
+                        ("tied", lambda: LlamaForCausalLM(_config(True))),
+                        ("base", lambda: LlamaModel(_config(False)))):
+        torch.manual_seed(7)
+        build().save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+def _lazy(path: str, **kwargs):
+    with LazyInitContext():
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    assert all(t.is_meta for t in (*model.parameters(), *model.buffers())), "lazy from_pretrained allocated weights"
+    return model
+
+
+def _assert_same(model, reference, what: str) -> None:
+    """State dict and buffers (non-persistent ones too) equal, bit for bit, dtype included."""
+    for kind, ours, theirs in (("tensor", model.state_dict(), reference.state_dict()),
+                               ("buffer", dict(model.named_buffers()), dict(reference.named_buffers()))):
+        assert ours.keys() == theirs.keys(), f"{what}: {kind} names differ"
+        for name, t in ours.items():
+            assert t.dtype == theirs[name].dtype and torch.equal(t, theirs[name]), f"{what}: {kind} {name} differs"
+
+
+# -- (b) and (c) without a plugin ------------------------------------------------------------------------------------
+def test_materialize_equals_from_pretrained(saved):
+    for path, kwargs in ((saved["untied"], {}), (saved["tied"], {}), (saved["untied"], {"dtype": torch.bfloat16}),
+                         (saved["untied"], {"torch_dtype": torch.float16, "rms_norm_eps": 1e-3})):
+        reference = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = _lazy(path, **kwargs)
+        assert not model.training and model.config.to_dict() == reference.config.to_dict(), kwargs
+        params = list(model.parameters())  # e.g. in an optimizer built before materializing: still the model's
+        assert LazyInitContext.materialize(model) is model
+        assert all(p is q for p, q in zip(params, model.parameters()))
+        _assert_same(model, reference, f"{path} {kwargs}")
+    # (c) tied: one parameter before and after materialization, as from_pretrained makes it
+    model = _lazy(saved["tied"])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    LazyInitContext.materialize(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_meta
+
+
+def test_missing_keys_initialized_as_from_pretrained(saved):
+    """A causal LM from a base model's checkpoint: the head is missing, reported as such and initialized by the
+    model's own init (its draws differ from from_pretrained's); everything else equals from_pretrained's."""
+    reference, expected = AutoModelForCausalLM.from_pretrained(saved["base"], output_loading_info=True)
+    with LazyInitContext(default_device="cpu"):
+        model, info = AutoModelForCausalLM.from_pretrained(saved["base"], output_loading_info=True)
+    assert info["missing_keys"] == expected["missing_keys"] == {"lm_head.weight"}
+    LazyInitContext.materialize(model)
+    head, ref_head = model.lm_head.weight, reference.lm_head.weight
+    std = model.config.initializer_range
+    assert torch.isfinite(head).all() and abs(head.std().item() - std) < 0.3 * std and abs(head.mean()) < 0.2 * std
+    model.lm_head.weight.data.copy_(ref_head)
+    _assert_same(model, reference, "base checkpoint")
+
+
+def test_context_as_colossalai(saved):
+    with LazyInitContext():
+        with pytest.raises(RuntimeError, match="not reentrant"):
+            with LazyInitContext():
+                pass
+        built = LlamaForCausalLM(_config(False))
+        from_config = AutoModelForCausalLM.from_config(_config(True))
+    assert all(p.is_meta for p in built.parameters()) and all(p.is_meta for p in from_config.parameters())
+    assert from_config.lm_head.weight is from_config.model.embed_tokens.weight
+    LazyInitContext.materialize(from_config)
+    assert not any(t.is_meta for t in (*from_config.parameters(), *from_config.buffers()))
+    reference = AutoModelForCausalLM.from_pretrained(saved["untied"])  # the context is gone: eager again
+    assert not any(p.is_meta for p in reference.parameters())
+
+
+# -- (a) tp=2, pp=2 on 2 ranks ----------------------------------------------------------------------------------------
+def _boost(model, tp: int, pp: int):
+    plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=2 if pp > 1 else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    booster = Booster(plugin=plugin)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    return plugin, booster, model, optimizer
+
+
+def _step(plugin, booster, model, optimizer) -> None:
+    batch = mu.make_batch("llama_lm", 4, seed=dist.get_rank() // (plugin.tp_size * plugin.pp_size))
+    if plugin.pp_size > 1:
+        booster.execute_pipeline(iter([batch]), model, mu.criterion, optimizer)
+    else:
+        booster.backward(mu.criterion(model(**batch), batch), optimizer)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _check_layout(path: str, tp: int, pp: int, tied: bool) -> None:
+    what = f"{path.rsplit('/', 1)[-1]} tp{tp} pp{pp}"
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    eager = _boost(copy.deepcopy(reference), tp, pp)
+    lazy = _boost(_lazy(path), tp, pp)
+    group = lazy[0].tp_group if tp > 1 else None
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    for (name, p), (eager_name, q) in zip(lazy[2].unwrap().named_parameters(), eager[2].unwrap().named_parameters()):
+        assert name == eager_name and p.dtype == q.dtype and torch.equal(p, q), f"{what}: shard of {name} differs"
+        assert torch.equal(mu.gathered(p, p.data, group), ref_params[name]), f"{what}: {name} != from_pretrained"
+    for (name, b), (_, c) in zip(lazy[2].unwrap().named_buffers(), eager[2].unwrap().named_buffers()):
+        assert torch.equal(b, c), f"{what}: buffer {name} differs"
+    if tied and pp == 1:
+        hf = lazy[2].unwrap()
+        assert hf.lm_head.weight is hf.model.embed_tokens.weight, f"{what}: tied embeddings untied by boost"
+    for run in (eager, lazy):
+        run[2].train()
+        _step(*run)
+    for (name, p), (_, q) in zip(lazy[2].unwrap().named_parameters(), eager[2].unwrap().named_parameters()):
+        mu.assert_close(p, q, f"{what}: {name} after a step")
+
+
+def _layouts(paths) -> None:
+    _check_layout(paths["untied"], 2, 1, tied=False)
+    _check_layout(paths["tied"], 2, 1, tied=True)
+    _check_layout(paths["tied"], 1, 2, tied=True)  # the tied embedding and head on different stages
+
+
+def test_lazy_pretrained_boost(saved):
+    run_distributed(2, _layouts, saved)

@@ -1,8 +1,9 @@
-"""Booster and its plugins (HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin): compose pipeline and
+"""Booster and its plugins (HybridParallelPlugin, MoeHybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin): compose pipeline and
 shardformer for training."""
 from .activation_checkpoint import GradientCheckpointConfig
 from .booster import Booster
 from .low_level_zero import LowLevelZeroPlugin
+from .moe_plugin import MoeHybridParallelPlugin
 from .optimizer import HybridParallelOptimizer
 from .parallel_module import HybridParallelModule
 from .plugin import HybridParallelPlugin
@@ -10,5 +11,6 @@ from .plugin_base import DPPluginBase, Plugin
 from .samplers import StatefulDistributedSampler
 from .torch_ddp import TorchDDPPlugin
 
-__all__ = ["Booster", "Plugin", "DPPluginBase", "HybridParallelPlugin", "LowLevelZeroPlugin", "TorchDDPPlugin",
+__all__ = ["Booster", "Plugin", "DPPluginBase", "HybridParallelPlugin", "MoeHybridParallelPlugin", "LowLevelZeroPlugin",
+           "TorchDDPPlugin",
            "HybridParallelModule", "HybridParallelOptimizer", "GradientCheckpointConfig", "StatefulDistributedSampler"]

@@ -40,7 +40,6 @@ UNACTED_ARGS: Dict[str, Unacted] = {
                                                 "gradients' dtype)"),
     "cpu_offload": Unacted(False, False, "offload optimizer state to the CPU"),
     "zero_bucket_size_in_m": Unacted(12, False, ""),  # a tuning knob of ZeRO's buckets
-    "dp_outside": Unacted(True, False, "place pipeline stages outside data-parallel replicas in the rank order"),
     "inner_ring_size": Unacted(None, False, "size the inner ring of ring attention (sequence parallelism)"),
     # torch DDP knobs: our bucketed reduction already handles unused parameters and reuses its buckets
     "broadcast_buffers": Unacted(True, False, ""),

@@ -2,7 +2,7 @@
 one place) into a few small frozen parts, before any collective, so that bad input fails alike on every rank.
 
     PluginConfig
-      mesh      MeshConfig       tp and pp sizes (dp is what the world leaves), the collectives' timeout
+      mesh      MeshConfig       tp, pp and ep sizes (dp is what the world leaves), the mesh order, the timeout
       pipeline  PipelineConfig   schedule style, microbatching, layer split, P2P, trace, token weights
       sharding  ShardingConfig   policy, vocab-parallel output, sequence parallelism, dropout seed, checkpointing
       precision PrecisionConfig  dtype, ZeRO, clipping, fp16 loss scaler, non-finite gradients, DP buckets
@@ -42,16 +42,36 @@ def _rank() -> int:
 class MeshConfig:
     tp_size: int
     pp_size: int
+    ep_size: int          # expert parallel, carved out of dp (dp = moe_dp * ep)
+    dp_outside: bool      # replicas outermost in the mesh (ColossalAI's moe_dp_outside); False: stages outermost
     timeout: float        # seconds a collective may wait (DEFAULT_TIMEOUT_S unless given)
     timeout_given: bool   # given: also applied to a world group the script initialized itself
 
     @classmethod
-    def build(cls, tp_size: int, pp_size: int, timeout: Optional[float]) -> "MeshConfig":
+    def build(cls, tp_size: int, pp_size: int, timeout: Optional[float], ep_size: int = 1,
+              dp_outside: bool = True) -> "MeshConfig":
         check_int("tp_size", tp_size, 1)
         check_int("pp_size", pp_size, 1)
+        check_int("ep_size", ep_size, 1)
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds.")
-        return cls(tp_size, pp_size, float(timeout or DEFAULT_TIMEOUT_S), timeout is not None)
+        return cls(tp_size, pp_size, ep_size, bool(dp_outside), float(timeout or DEFAULT_TIMEOUT_S),
+                   timeout is not None)
+
+    def dp_size(self, world: int) -> int:
+        """The data-parallel size the world leaves; raises (alike on every rank, before any collective) when the
+        world does not split into tp × pp × dp with ep dividing dp."""
+        tp, pp, ep = self.tp_size, self.pp_size, self.ep_size
+        if world % (tp * pp):
+            raise ValueError(f"World size {world} is not divisible by tp_size * pp_size = {tp} * {pp}; "
+                             f"launch a multiple of {tp * pp} processes or change the sizes.")
+        dp = world // (tp * pp)
+        if dp % ep:
+            raise ValueError(f"ep_size={ep} must divide the data-parallel size {dp} (world {world} / (tp_size {tp} "
+                             f"* pp_size {pp})): expert parallelism splits the data-parallel ranks into ep groups "
+                             f"of moe_dp = dp / ep replicas. Launch a multiple of {tp * pp * ep} processes or "
+                             f"change ep_size.")
+        return dp
 
 
 @dataclass(frozen=True)
@@ -172,7 +192,7 @@ class PluginConfig:
         tp_size, pp_size = alias("tp", a.pop("tp"), "tp_size", a["tp_size"]), alias("pp", a.pop("pp"), "pp_size",
                                                                                     a["pp_size"])
         check_unacted_args(colossalai_kwargs, rank=None if dist.is_initialized() else _rank())
-        mesh = MeshConfig.build(tp_size, pp_size, a["timeout"])
+        mesh = MeshConfig.build(tp_size, pp_size, a["timeout"], a["ep_size"], a["dp_outside"])
         precision = PrecisionConfig.build(
             a["precision"], a["zero_stage"], a["max_norm"],
             LossScalerConfig(a["initial_scale"], a["growth_factor"], a["backoff_factor"], a["growth_interval"],
@@ -191,7 +211,8 @@ class PluginConfig:
         """The settings every rank must share (else they would build different groups or schedules and hang), as
         integers for one all-gather (launch.agree_on_layout)."""
         p = self.pipeline
-        return dict(tp_size=self.mesh.tp_size, pp_size=self.mesh.pp_size, num_microbatches=p.num_microbatches or 0,
+        return dict(tp_size=self.mesh.tp_size, pp_size=self.mesh.pp_size, ep_size=self.mesh.ep_size,
+                    moe_dp_outside=int(self.mesh.dp_outside), num_microbatches=p.num_microbatches or 0,
                     microbatch_size=p.microbatch_size or 0, zero_stage=self.precision.zero_stage,
                     precision=PRECISIONS.index(self.precision.precision), check_batches=int(self.check_batches),
                     num_model_chunks=p.num_model_chunks, pp_schedule_costs=int(p.measured_costs),

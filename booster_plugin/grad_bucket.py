@@ -2,7 +2,7 @@
 (all-reduce, or ZeRO-2's reduce-scatter) launched as soon as the group's last gradient is accumulated."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -10,6 +10,16 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 BUCKET_BYTES = 25 * 1024 * 1024
+
+
+class ReduceAxis(NamedTuple):
+    """The ranks a bucket's gradients are reduced over and how they are averaged: dense parameters over dp (divisor
+    dp); expert parameters over moe_dp, the replicas holding the same experts, with divisor dp too (each rank's
+    expert gradients already sum the tokens of its whole ep group)."""
+    group: dist.ProcessGroup
+    size: int     # ranks in `group` (ZeRO: the slices)
+    rank: int     # this rank's place in `group` (ZeRO: the slice it owns)
+    divisor: int  # the reduced sum is divided by it
 
 
 def make_buckets(params: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> List[List[nn.Parameter]]:
@@ -44,12 +54,15 @@ class GradBucket:
     """Gradients of a group of parameters in one flat buffer: one reduction, launched as soon as the last of them
     is accumulated in the step's final backward pass, so the reduction overlaps the rest of the backward.
 
-    With ZeRO (`shards` = dp size) the gradient area is padded to a multiple of `shards` and dp rank r owns the
-    r-th of `shards` equal slices. `scatter` (ZeRO-2): the buffer lives only while its reduction runs; the
-    reduction is a reduce-scatter into `shard` (this rank's slice), and the full gradients are released."""
+    With ZeRO (`zero`) the gradient area is padded to a multiple of the axis size and its rank r owns the r-th of
+    those equal slices. `scatter` (ZeRO-2): the buffer lives only while its reduction runs; the reduction is a
+    reduce-scatter into `shard` (this rank's slice), and the full gradients are released."""
 
-    def __init__(self, params: List[nn.Parameter], shards: int = 1, scatter: bool = False) -> None:
+    def __init__(self, params: List[nn.Parameter], axis: ReduceAxis, zero: bool = False,
+                 scatter: bool = False) -> None:
         self.params = params
+        self.axis = axis
+        shards = axis.size if zero else 1
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
@@ -79,7 +92,8 @@ class GradBucket:
         return bool(self.work)
 
     @torch.no_grad()
-    def launch(self, group: dist.ProcessGroup) -> None:
+    def launch(self) -> None:
+        group = self.axis.group
         if self.scatter:
             self.buffer = self._new_buffer()
         for i, p in enumerate(self.params):
@@ -98,7 +112,7 @@ class GradBucket:
             self.work = [dist.all_reduce(self.buffer, group=group, async_op=True)]
 
     @torch.no_grad()
-    def finish(self, dp_size: int) -> None:
+    def finish(self) -> None:
         """Wait for the reduction; the gradients become views of the averaged buffer (None where no replica had
         one, so that the optimizer skips unused parameters as it would on one process)."""
         for work in self.work:
@@ -107,10 +121,10 @@ class GradBucket:
         self.ready.clear()
         self.used = [flag > 0 for flag in self.has_grad.tolist()]
         if self.scatter:
-            self.shard.div_(dp_size)
+            self.shard.div_(self.axis.divisor)
             self.buffer = None
             return
-        self.buffer[:self.padded].div_(dp_size)
+        self.buffer[:self.padded].div_(self.axis.divisor)
         for i, p in enumerate(self.params):
             p.grad = self.view(i) if self.used[i] else None
 
@@ -131,10 +145,11 @@ class GradBucket:
             if p.grad is not None and p.grad.data_ptr() != self.view(i).data_ptr():
                 self.view(i).copy_(p.grad)
 
-    def shard_grad(self, rank: int) -> torch.Tensor:
-        """ZeRO: the averaged gradients of the slice dp rank `rank` (this rank) owns."""
+    def shard_grad(self) -> torch.Tensor:
+        """ZeRO: the averaged gradients of the slice this rank owns."""
         if self.scatter:
             return self.shard
+        rank = self.axis.rank
         return self.buffer[rank * self.shard_numel:(rank + 1) * self.shard_numel]
 
     def reset(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,27 +20,34 @@ from .parallel_module import HybridParallelModule
 __all__ = ["HybridParallelOptimizer", "global_norm"]
 
 
-def global_norm(grads: List[torch.Tensor], groups: Iterable[Optional[dist.ProcessGroup]], norm_type: float,
+def global_norm(parts: Sequence[Tuple[List[torch.Tensor], Iterable[Optional[dist.ProcessGroup]]]], norm_type: float,
                 device: torch.device) -> torch.Tensor:
-    """The norm of the union of the gradients held by the ranks of `groups` (each element held by one rank)."""
-    grads = [g.detach().double() for g in grads]
-    if norm_type == math.inf:
-        total = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), dtype=torch.float64,
-                                                                                            device=device)
-    else:
-        total = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=device))
-    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    for group in groups:
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, op=op, group=group)
-    return total if norm_type == math.inf else total.pow(1.0 / norm_type)
+    """The norm of the union of the gradients of `parts`: each (gradients, groups) is held by the ranks of its
+    groups, each element by one rank (e.g. dense gradients over tp and pp; expert gradients also over ep)."""
+    inf = norm_type == math.inf
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    totals = []
+    for grads, groups in parts:
+        grads = [g.detach().double() for g in grads]
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        if inf:
+            total = torch.stack([g.abs().max() for g in grads]).max() if grads else zero
+        else:
+            total = sum((g.abs().pow(norm_type).sum() for g in grads), zero)
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(total, op=op, group=group)
+        totals.append(total)
+    total = torch.stack(totals).max() if inf else torch.stack(totals).sum()
+    return total if inf else total.pow(1.0 / norm_type)
 
 
 class HybridParallelOptimizer:
     """Wraps the user's optimizer (now over this stage's parameters): gradient sync, loss scaling (fp16), clipping
     before step. Mixed precision: the optimizer steps fp32 master copies of the (bf16/fp16) model parameters.
 
-    The seams `_master_grads`, `_norm_groups` and `_publish` are where ZeroOptimizer (zero.py) partitions."""
+    The seams `_master_grads`, `_norm_groups`, `_expert_norm_groups` and `_publish` are where ZeroOptimizer (zero.py)
+    partitions."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: HybridParallelModule, max_norm: float = 0.0,
                  tracer=None, master_dtype: Optional[torch.dtype] = None,
@@ -133,6 +140,10 @@ class HybridParallelOptimizer:
         """The groups whose ranks hold disjoint parts of the gradients this rank counts in the norm."""
         return self.model.tp_group, self.model.pp_group
 
+    def _expert_norm_groups(self) -> Tuple[Optional[dist.ProcessGroup], ...]:
+        """As `_norm_groups`, for the gradients of parameters split over ep (each ep rank holds other experts)."""
+        return (self.model.ctx.ep.active,) + self._norm_groups()
+
     @torch.no_grad()
     def _publish(self) -> None:
         """After the step: the model parameters take the stepped values."""
@@ -143,8 +154,12 @@ class HybridParallelOptimizer:
     # ------------------------------------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the stepped gradients to a global norm of at most `max_norm`; returns the norm. Collective."""
-        grads = [g for p, g in self._master_grad_pairs if self.model.counts_in_norm(p)]
-        total = self._grad_norm = global_norm(grads, self._norm_groups(), norm_type, self._device)
+        counted = [(p, g) for p, g in self._master_grad_pairs if self.model.counts_in_norm(p)]
+        experts = self.model.expert_param_ids()
+        parts = [([g for p, g in counted if id(p) not in experts], self._norm_groups())]
+        if experts:  # each ep rank holds other experts
+            parts.append(([g for p, g in counted if id(p) in experts], self._expert_norm_groups()))
+        total = self._grad_norm = global_norm(parts, norm_type, self._device)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for group in self.optim.param_groups:
             for p in group["params"]:

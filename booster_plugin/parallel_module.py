@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from pipeline.context import ParallelContext
 from shardformer.layer.spec import get_tp_spec
 
 from .failure import FailureGuard
-from .grad_bucket import BUCKET_BYTES, GradBucket, broadcast_params, make_buckets
+from .grad_bucket import BUCKET_BYTES, GradBucket, ReduceAxis, broadcast_params, make_buckets
 
 if TYPE_CHECKING:
     from shardformer.policies import Policy
@@ -39,6 +39,7 @@ class ModelInfo:
     full_params: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]  # name -> (shape, dtype), tied names included
     batch_limits: "BatchLimits"  # the ids and labels it accepts
     lora: Optional["LoRAState"] = None
+    expert_params: FrozenSet[str] = frozenset()  # parameters holding this ep rank's experts only (split over ep)
 
 
 class HybridParallelModule(nn.Module):
@@ -63,18 +64,32 @@ class HybridParallelModule(nn.Module):
         self._sync_queued = False  # pp == 1: sync_grads is queued to run when the running backward pass ends
         self._forwards = 0  # pp == 1, dp > 1: forwards with gradients since the last reduction (replicas compare)
         self._buckets: List[GradBucket] = []
-        if self.dp_size > 1:  # buckets in reverse order: the backward pass produces the last layers' grads first
-            params = [p for p in module.parameters() if p.requires_grad]
-            groups = make_buckets(reversed(params), bucket_bytes)
-            if zero_stage > 0:  # a parameter shared by stages gets a bucket of its own: the same slices everywhere
-                shared = {id(p) for p, _, _ in shared_params}
-                groups = [[p] for p in params if id(p) in shared] + make_buckets(
-                    (p for p in reversed(params) if id(p) not in shared), bucket_bytes)
-            shards = self.dp_size if zero_stage > 0 else 1
-            self._buckets = [GradBucket(b, shards, scatter=zero_stage == 2) for b in groups]
+        if self.dp_size > 1:
+            self._buckets = self._make_buckets(bucket_bytes)
             for k, bucket in enumerate(self._buckets):
                 for i, p in enumerate(bucket.params):
                     p.register_post_accumulate_grad_hook(self._grad_ready_hook(k, i))
+
+    def _make_buckets(self, bucket_bytes: int) -> List[GradBucket]:
+        """Buckets in reverse order (the backward pass produces the last layers' gradients first): dense parameters
+        reduced over dp, expert parameters (split over ep) over moe_dp, each averaged over dp (ReduceAxis)."""
+        experts = self.expert_param_ids()
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        shared = {id(p) for p, _, _ in self.shared_params} if self.zero_stage > 0 else set()
+        dp, moe_dp = self.ctx.dp, self.ctx.moe_dp
+        out = []
+        for axis, mine in ((ReduceAxis(dp.group, dp.size, dp.rank, dp.size), lambda p: id(p) not in experts),
+                           (ReduceAxis(moe_dp.group, moe_dp.size, moe_dp.rank, dp.size), lambda p: id(p) in experts)):
+            # ZeRO: a parameter shared by stages gets a bucket of its own (the same slices everywhere)
+            groups = [[p] for p in params if id(p) in shared and mine(p)] + make_buckets(
+                (p for p in reversed(params) if id(p) not in shared and mine(p)), bucket_bytes)
+            out += [GradBucket(b, axis, zero=self.zero_stage > 0, scatter=self.zero_stage == 2) for b in groups]
+        return out
+
+    def expert_param_ids(self) -> set:
+        """ids of the parameters holding this ep rank's experts only (split over ep; empty without ep)."""
+        names = self.info.expert_params
+        return {id(p) for n, p in self.module.named_parameters() if n in names}
 
     # -- what boost learnt of the model -----------------------------------------------------------------------------
     @property
@@ -145,7 +160,7 @@ class HybridParallelModule(nn.Module):
                 torch.autograd.Variable._execution_engine.queue_callback(module._sync_after_backward)
             bucket.ready.add(index)
             if len(bucket.ready) == len(bucket.params):
-                bucket.launch(module.dp_group)
+                bucket.launch()
         return hook
 
     def _sync_after_backward(self) -> None:
@@ -219,9 +234,9 @@ class HybridParallelModule(nn.Module):
     def _sync_grads(self) -> None:
         for bucket in self._buckets:
             if not bucket.launched:
-                bucket.launch(self.dp_group)
+                bucket.launch()
         for bucket in self._buckets:
-            bucket.finish(self.dp_size)
+            bucket.finish()
         # a shared parameter no stage produced a gradient for (e.g. an unused image encoder) keeps none, so that the
         # optimizer skips it (no weight decay) as it would on one process
         shared = [s for s, used in zip(self.shared_params, self._shared_used()) if used]
@@ -230,7 +245,7 @@ class HybridParallelModule(nn.Module):
                 if not p.requires_grad:  # frozen (e.g. a tied embedding under LoRA): no gradient to sum
                     continue
                 bucket = self.bucket_of(p)
-                dist.all_reduce(bucket.shard_grad(self.dp_rank), group=group)
+                dist.all_reduce(bucket.shard_grad(), group=group)
                 bucket.used = [True]
             return
         for p, group, _ in shared:
@@ -289,8 +304,11 @@ class HybridParallelModule(nn.Module):
         dp rank 0's parameters, and the first holder's shared parameters."""
         if self.tp_group is not None:
             broadcast_params([p for p in self.module.parameters() if get_tp_spec(p) is None], self.tp_group)
-        if self.dp_size > 1:
-            broadcast_params(list(self.module.parameters()), self.dp_group)
+        if self.dp_size > 1:  # expert parameters from the replica holding the same experts
+            experts = self.expert_param_ids()
+            broadcast_params([p for p in self.module.parameters() if id(p) not in experts], self.dp_group)
+            if experts and self.ctx.moe_dp.size > 1:
+                broadcast_params([p for p in self.module.parameters() if id(p) in experts], self.ctx.moe_dp.group)
         for p, group, _ in self.shared_params:
             dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
 

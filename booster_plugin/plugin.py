@@ -42,6 +42,14 @@ class HybridParallelPlugin(HybridPluginBase):
 
     Args:
         tp_size, pp_size: tensor- and pipeline-parallel sizes (`tp`, `pp` are aliases); dp = world / (tp * pp).
+        ep_size: expert parallel (mixture-of-experts models): each MoE layer's routed experts are split over ep
+            ranks carved out of dp (dp = moe_dp * ep; ep must divide dp and the number of experts), a rank holds
+            E / ep experts whole and tokens travel to them by all-to-all; with tp_size > 1 each held expert is also
+            split over tp as transformers' `moe_tp_experts` plan does. Router, shared experts and every other
+            parameter stay replicated over ep (gradients averaged over dp); expert gradients are averaged over
+            moe_dp. See MoeHybridParallelPlugin for ColossalAI's MoE arguments.
+        dp_outside: the rank order of the mesh, as ColossalAI's: data-parallel replicas outermost (default; ranks
+            (dp, pp, ep, tp), tp innermost) or, False, pipeline stages outermost (pp, dp, ep, tp).
         num_microbatches, microbatch_size: at most one; with pp_size > 1 and neither, each step picks the largest
             divisor of its batch size in [pp_size, 4 * pp_size] as the number of microbatches.
         pp_style, num_model_chunks: "1f1b" (1 chunk per rank), "interleaved" (v >= 2 chunks in a loop), "zbv"
@@ -102,7 +110,8 @@ class HybridParallelPlugin(HybridPluginBase):
                  initial_scale: float = 2 ** 16, growth_factor: float = 2, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 2, min_scale: float = 1, max_scale: float = 2 ** 32,
                  gradient_checkpoint_config: Optional[GradientCheckpointConfig] = None,
-                 tp: Optional[int] = None, pp: Optional[int] = None, **colossalai_kwargs: Any) -> None:
+                 ep_size: int = 1, dp_outside: bool = True, tp: Optional[int] = None, pp: Optional[int] = None,
+                 **colossalai_kwargs: Any) -> None:
         # every check before the first collective, so that bad input fails the same way on every rank
         args = {k: v for k, v in locals().items() if k not in ("self", "colossalai_kwargs")}
         self.config = config = PluginConfig.from_arguments(args, colossalai_kwargs)
@@ -110,10 +119,7 @@ class HybridParallelPlugin(HybridPluginBase):
         agree_on_layout(**config.agreement())
         self.failure_guard = FailureGuard.shared()
         world, tp_size, pp_size = dist.get_world_size(), config.mesh.tp_size, config.mesh.pp_size
-        if world % (tp_size * pp_size):
-            raise ValueError(f"World size {world} is not divisible by tp_size * pp_size = {tp_size} * {pp_size}; "
-                             f"launch a multiple of {tp_size * pp_size} processes or change the sizes.")
-        dp_size = world // (tp_size * pp_size)
+        dp_size = config.mesh.dp_size(world)
         # the settings the model and optimizer are prepared with: ZeRO over one dp rank partitions nothing, so it runs
         # as zero_stage=0 (ColossalAI runs it too, warning that it only adds overhead)
         self._precision_in_effect = config.precision
@@ -125,8 +131,8 @@ class HybridParallelPlugin(HybridPluginBase):
                               f"training runs as with zero_stage=0. Set zero_stage=0 to silence this.", stacklevel=2)
         self.device = default_device()
         self._own_group: Optional[ProcessGroup] = None  # this rank alone (sp_group without sequence parallelism)
-        self.ctx = ParallelContext.build({"dp": dp_size, "pp": pp_size, "tp": tp_size},
-                                         timedelta(seconds=config.mesh.timeout))
+        self.ctx = ParallelContext.build({"dp": dp_size, "pp": pp_size, "tp": tp_size, "ep": config.mesh.ep_size},
+                                         timedelta(seconds=config.mesh.timeout), dp_outside=config.mesh.dp_outside)
         pipe = config.pipeline
         self._stage_manager = PipelineStageManager(
             self.ctx.mesh, self.ctx.pp.index, num_model_chunks=pipe.num_model_chunks,

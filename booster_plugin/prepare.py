@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -76,6 +76,7 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
                      BatchLimits(vocab_of(model), label_vocab_of(model),
                                  sequence_multiple=ctx.tp.size if opts.sharding.sp_mode else 1), lora)
     sharder, shared_names = _shard(model, policy, opts, ctx, stage_manager)
+    info = replace(info, expert_params=frozenset(sharder.expert_params))
     params = dict(model.named_parameters(remove_duplicate=False))
     shared = []
     for names in shared_names:  # every rank creates every group, in the same order
@@ -110,7 +111,8 @@ def shard_config_of(sharding: ShardingConfig, ctx: ParallelContext, stage_manage
         pipeline_stage_manager=stage_manager if ctx.pp.size > 1 else None,
         parallel_output=sharding.parallel_output,
         make_vocab_size_divisible_by=sharding.make_vocab_size_divisible_by, rng_tracker=rng_tracker,
-        enable_sequence_parallelism=sharding.sp_mode is not None, sequence_parallelism_mode=sharding.sp_mode)
+        enable_sequence_parallelism=sharding.sp_mode is not None, sequence_parallelism_mode=sharding.sp_mode,
+        expert_parallel_process_group=ctx.ep.active)
 
 
 def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: ParallelContext,

@@ -77,9 +77,10 @@ class ZeroOptimizer(HybridParallelOptimizer):
     def _init_weights(self, master_dtype: Optional[torch.dtype]) -> None:
         self.master_of = {}  # (full master weights exist nowhere; checkpoint_io reads segments through this class)
         self._pairs = []
-        model, rank = self.model, self.model.dp_rank
+        model = self.model
         self.segments: Dict[int, Segment] = {}
-        for bucket in model.buckets:
+        for bucket in model.buckets:  # (expert buckets are partitioned over moe_dp: ReduceAxis)
+            rank = bucket.axis.rank
             lo, hi = rank * bucket.shard_numel, (rank + 1) * bucket.shard_numel
             for i, p in enumerate(bucket.params):
                 a, b = max(lo, bucket.offsets[i]), min(hi, bucket.offsets[i + 1])
@@ -119,7 +120,7 @@ class ZeroOptimizer(HybridParallelOptimizer):
         for seg in self.segments.values():
             seg.master.grad = None
             if seg.bucket.used[seg.index]:
-                g = seg.bucket.shard_grad(self.model.dp_rank)[seg.shard_offset:seg.shard_offset + seg.numel]
+                g = seg.bucket.shard_grad()[seg.shard_offset:seg.shard_offset + seg.numel]
                 seg.master.grad = g if g.dtype == seg.master.dtype else g.to(seg.master.dtype)
                 out.append((seg.param, seg.master.grad))
         return out
@@ -127,10 +128,14 @@ class ZeroOptimizer(HybridParallelOptimizer):
     def _norm_groups(self) -> Tuple[Optional[dist.ProcessGroup], ...]:
         return self.model.dp_group, self.model.tp_group, self.model.pp_group
 
+    def _expert_norm_groups(self) -> Tuple[Optional[dist.ProcessGroup], ...]:
+        # expert slices are partitioned over moe_dp and differ over ep: dp (moe_dp x ep) holds each element once
+        return self._norm_groups()
+
     def _gather_buckets(self, values: Dict[int, Optional[torch.Tensor]], dtype: Optional[torch.dtype]):
         """Yield (bucket, flat) where flat is the bucket's elements all-gathered from the slices of its ranks,
         each rank giving `values[id(param)]` (1-D, its segment; None: zeros), in `dtype` (None: the bucket's).
-        Collective over dp."""
+        Collective over each bucket's group (dp; moe_dp for expert parameters)."""
         for bucket in self.model.buckets:
             kind = dtype or bucket.dtype
             shard = torch.zeros(bucket.shard_numel, dtype=kind, device=bucket.device)
@@ -139,7 +144,7 @@ class ZeroOptimizer(HybridParallelOptimizer):
                 if seg is not None and values.get(id(p)) is not None:
                     shard[seg.shard_offset:seg.shard_offset + seg.numel] = values[id(p)]
             flat = torch.empty(bucket.padded, dtype=kind, device=bucket.device)
-            dist.all_gather_single(flat, shard, group=self.model.dp_group)
+            dist.all_gather_single(flat, shard, group=bucket.axis.group)
             yield bucket, flat
 
     @torch.no_grad()

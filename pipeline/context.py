@@ -1,12 +1,18 @@
-"""The parallel context: the job's named mesh axes (dp, pp, tp; a new kind of parallelism is a new row of AXES),
-each with its group, size and this rank's coordinate, built once and passed to whoever needs them.
+"""The parallel context: the job's named mesh axes (dp, pp, tp, and expert parallelism's ep and moe_dp; a new kind
+of parallelism is a new row of AXES), each with its group, size and this rank's coordinate, built once and passed to
+whoever needs them.
+
+The mesh has physical dimensions MESH_DIMS; a named axis spans one or more of them: dp, over which the replicas of
+the dense parameters reduce their gradients, spans moe_dp × ep (expert parallelism is carved out of data parallel,
+as in ColossalAI and Megatron: the ep ranks of a replica group hold different experts, the moe_dp ranks the same
+ones). Without expert parallelism (ep = 1) dp and moe_dp are the same ranks, and the rank order is (dp, pp, tp).
 
 Every axis always has a group (size 1 included), so consumers never re-derive sizes or ranks; `Axis.active` is the
 group where a collective along the axis does something (size > 1), else None.
 
 The carrier is our ProcessGroupMesh, not torch's DeviceMesh: the model also needs groups over subsets of an axis
 (the pipeline stages sharing a tied weight), and every rank must create every group in the same order with the
-plugin's timeout; DeviceMesh covers whole axes only. The rank order is DeviceMesh's (row-major, the last axis
+plugin's timeout; DeviceMesh covers whole axes only. The rank order is DeviceMesh's (row-major, the last dimension
 innermost), so a DeviceMesh over the same sizes names the same groups.
 """
 from __future__ import annotations
@@ -19,21 +25,38 @@ from torch.distributed import ProcessGroup
 
 from .mesh import ProcessGroupMesh
 
-__all__ = ["AXES", "Axis", "ParallelContext"]
+__all__ = ["AXES", "MESH_DIMS", "Axis", "ParallelContext"]
 
-# the mesh's axes, outermost first: data parallel across replicas, pipeline stages inside a replica, tensor parallel
-# innermost (its ranks are contiguous: on one host when the world spans several)
-AXES: Tuple[str, ...] = ("dp", "pp", "tp")
+# the mesh's physical dimensions, outermost first (`dp_outside=False` moves moe_dp inside pp): replicas, pipeline
+# stages, expert-parallel ranks, tensor parallel innermost (its ranks are contiguous: on one host when the world spans
+# several)
+MESH_DIMS: Tuple[str, ...] = ("moe_dp", "pp", "ep", "tp")
+# the named axes and the mesh dimensions each spans (outermost first: a rank's coordinate along a spanning axis is
+# row-major over them, e.g. dp rank = moe_dp rank * ep size + ep rank)
+AXES: Dict[str, Tuple[str, ...]] = {
+    "dp": ("moe_dp", "ep"),   # data parallel: every replica of the dense parameters
+    "pp": ("pp",),            # pipeline stages
+    "tp": ("tp",),            # tensor parallel
+    "ep": ("ep",),            # expert parallel: ranks holding different experts of each MoE layer
+    "moe_dp": ("moe_dp",),    # data parallel of the expert parameters: ranks holding the same experts
+}
 
 
 @dataclass(frozen=True)
 class Axis:
     """One named axis of the mesh, seen from this rank."""
     name: str
-    index: int             # its position in the mesh (AXES order)
+    dims: Tuple[int, ...]  # the mesh dimensions it spans (indices into the mesh's shape)
     group: ProcessGroup    # this rank's group along the axis (a one-rank group when size == 1)
     size: int
     rank: int              # this rank's coordinate along the axis
+
+    @property
+    def index(self) -> int:
+        """The mesh dimension of an axis that spans one (pp, tp, ep, moe_dp)."""
+        if len(self.dims) != 1:
+            raise ValueError(f"axis {self.name!r} spans mesh dimensions {self.dims}, not one.")
+        return self.dims[0]
 
     @property
     def active(self) -> Optional[ProcessGroup]:
@@ -45,24 +68,42 @@ class Axis:
 class ParallelContext:
     """The named axes of the job's mesh and this rank's place in it (see the module docstring)."""
     mesh: ProcessGroupMesh
+    dims: Tuple[str, ...]  # the mesh's dimension names, in its order
     dp: Axis
     pp: Axis
     tp: Axis
+    ep: Axis
+    moe_dp: Axis
 
     @classmethod
-    def build(cls, sizes: Dict[str, int], timeout: Optional[timedelta] = None) -> "ParallelContext":
-        """Collective: the mesh of `sizes` (one per name of AXES; their product is the world) and every axis group.
+    def build(cls, sizes: Dict[str, int], timeout: Optional[timedelta] = None,
+              dp_outside: bool = True) -> "ParallelContext":
+        """Collective: the mesh and every axis group.
 
         Args:
-            sizes: {"dp": ..., "pp": ..., "tp": ...}.
+            sizes: {"dp": ..., "pp": ..., "tp": ...} and optionally "ep" (default 1, must divide dp); their product
+                without ep is the world.
             timeout: of every group's collectives.
+            dp_outside: the replicas (moe_dp) outermost (default); False puts the pipeline stages outermost
+                (ColossalAI's `moe_dp_outside=False`).
         """
-        if set(sizes) != set(AXES):
-            raise ValueError(f"ParallelContext needs the sizes of {AXES}, got {sorted(sizes)}.")
-        mesh = ProcessGroupMesh(*(sizes[name] for name in AXES), timeout=timeout)
-        axes = {name: Axis(name, i, mesh.get_group_along_axis(i), mesh.size(i), mesh.coordinate[i])
-                for i, name in enumerate(AXES)}
-        return cls(mesh, **axes)
+        sizes = dict(sizes)
+        ep = sizes.pop("ep", 1)
+        if set(sizes) != {"dp", "pp", "tp"}:
+            raise ValueError(f"ParallelContext needs the sizes of dp, pp, tp (and optionally ep), got {sorted(sizes)}.")
+        if ep < 1 or sizes["dp"] % ep:
+            raise ValueError(f"ep size {ep} must divide the dp size {sizes['dp']}.")
+        dim_sizes = {"moe_dp": sizes["dp"] // ep, "pp": sizes["pp"], "ep": ep, "tp": sizes["tp"]}
+        dims = MESH_DIMS if dp_outside else ("pp", "moe_dp", "ep", "tp")
+        mesh = ProcessGroupMesh(*(dim_sizes[d] for d in dims), timeout=timeout)
+        axes = {}
+        for name, spans in AXES.items():  # every rank creates the groups in this order
+            at = tuple(dims.index(d) for d in spans)
+            rank, size = 0, 1
+            for i in at:
+                rank, size = rank * mesh.size(i) + mesh.coordinate[i], size * mesh.size(i)
+            axes[name] = Axis(name, at, mesh.get_group_along_axes(at), size, rank)
+        return cls(mesh, dims, **axes)
 
     def group_over(self, axis: Axis, indices: Sequence[int]) -> Optional[ProcessGroup]:
         """Collective: this rank's group of the ranks at `indices` along `axis` (e.g. the stages sharing a tied weight);
@@ -73,5 +114,8 @@ class ParallelContext:
         """The global rank at this rank's coordinate with the given axes changed, e.g. `global_rank(dp=0, tp=0)`."""
         coord = list(self.mesh.coordinate)
         for name, value in coordinate.items():
-            coord[AXES.index(name)] = value
+            axis: Axis = getattr(self, name)
+            for i in reversed(axis.dims):  # row-major over the dimensions the axis spans
+                coord[i] = value % self.mesh.size(i)
+                value //= self.mesh.size(i)
         return self.mesh.ravel(coord)

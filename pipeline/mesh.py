@@ -68,6 +68,26 @@ class ProcessGroupMesh:
         """Global ranks of `group`, in group-rank order (ColossalAI's name)."""
         return tuple(dist.get_process_group_ranks(group))
 
+    def get_group_along_axes(self, axes: Tuple[int, ...]) -> ProcessGroup:
+        """This rank's group of the ranks that differ from it only along `axes` (e.g. dp spanning two axes).
+
+        Creates that group for every block of the mesh along `axes` (collective on first call)."""
+        if len(axes) == 1:
+            return self.get_group_along_axis(axes[0])
+        others = [range(s) if i not in axes else [0] for i, s in enumerate(self.shape)]
+        mine = None
+        for coord in itertools.product(*others):
+            ranks = []
+            for inner in itertools.product(*(range(self.shape[a]) for a in axes)):
+                c = list(coord)
+                for a, v in zip(axes, inner):
+                    c[a] = v
+                ranks.append(self.ravel(c))
+            group = self.get_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
     def get_group_along_axis(self, axis: int, indices=None) -> Optional[ProcessGroup]:
         """This rank's group along `axis` (only the ranks at `indices` along it, if given).
 

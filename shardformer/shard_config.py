@@ -17,7 +17,8 @@ __all__ = ["ShardConfig"]
 class ShardConfig:
     """How to shard: the tp group (None = no TP), the pipeline stage manager (None = no PP) and TP options;
     `enable_sequence_parallelism` splits the sequence over the tp group (`sequence_parallelism_mode`
-    "split_gather", the default, or "all_to_all"; see sequence_parallel.py)."""
+    "split_gather", the default, or "all_to_all"; see sequence_parallel.py); the ep group splits mixture-of-experts
+    experts over ranks (expert_sharding.py)."""
     tensor_parallel_process_group: Optional[dist.ProcessGroup] = None
     pipeline_stage_manager: Optional[PipelineStageManager] = None
     parallel_output: bool = True
@@ -25,6 +26,12 @@ class ShardConfig:
     rng_tracker: Optional[TPRNGTracker] = None
     enable_sequence_parallelism: bool = False
     sequence_parallelism_mode: Optional[str] = None
+    expert_parallel_process_group: Optional[dist.ProcessGroup] = None  # None: experts not split over ranks
+
+    @property
+    def ep_size(self) -> int:
+        group = self.expert_parallel_process_group
+        return 1 if group is None else dist.get_world_size(group)
 
     @property
     def tp_size(self) -> int:

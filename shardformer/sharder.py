@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 from torch import nn
 
 from .apply_styles import TPContext, apply_styles
+from .expert_sharding import check_expert_parallel, shard_experts
 from .layer.dropout import (wrap_model_forward_in_tracker_rng, wrap_module_forward_in_local_rng,
                             wrap_module_forward_in_shared_rng)
 from .layer.spec import get_tp_spec
@@ -33,6 +34,7 @@ class Sharder:
         self.policy = policy
         self.shard_config = shard_config
         self.stage_forward: Optional[StageForward] = None
+        self.expert_params: List[str] = []  # parameters holding this rank's experts only (expert parallel)
         policy.set_model(model)
         policy.set_shard_config(shard_config)
         policy.set_pipeline_stage_manager(shard_config.pipeline_stage_manager)
@@ -47,6 +49,8 @@ class Sharder:
         span = sequence_span(self.policy) if mode is not None else None  # before this stage keeps its own modules
         if self.shard_config.tp_size > 1:  # on the unsharded model, every rank alike, before any collective
             check_lora_layers(self.model, self._style_of)
+        if self.shard_config.ep_size > 1:
+            check_expert_parallel(self.model, self._plan_style, self.shard_config.ep_size)
         tied = self._tied_names()
         shared = self.policy.shared_param_names() if self.shard_config.pipeline_stage_manager else []
         if self.shard_config.pipeline_stage_manager is not None:
@@ -64,6 +68,9 @@ class Sharder:
             if mode is not None:
                 apply_sequence_parallelism(self.model, self.policy, span, mode,
                                            self.shard_config.tensor_parallel_process_group)
+        if self.shard_config.ep_size > 1:  # after the tp split: its hooks run inside the exchange
+            self.expert_params = shard_experts(self.model, self._plan_style,
+                                               self.shard_config.expert_parallel_process_group)
         return shared
 
     def materialize(self, device, init: bool = True) -> int:
@@ -93,10 +100,14 @@ class Sharder:
         """all_to_all sequence parallelism keeps the layers' weights whole: no tp style or attribute inside them."""
         return self.shard_config.sp_mode == "all_to_all" and inside_layers(self.policy, rel)
 
-    def _style_of(self, path: str) -> Optional[ParallelStyle]:
+    def _plan_style(self, path: str) -> Optional[ParallelStyle]:
+        """The plan's style of a module, whatever sequence parallelism does to it."""
+        return self._style_of(path, honour_sequence_parallelism=False)
+
+    def _style_of(self, path: str, honour_sequence_parallelism: bool = True) -> Optional[ParallelStyle]:
         prefix = self.policy.base_prefix
         if path.startswith(prefix):
-            if self._replicated_layers(path[len(prefix):]):
+            if honour_sequence_parallelism and self._replicated_layers(path[len(prefix):]):
                 return None
             for pattern, style in self.policy.tp_plan.items():
                 if match(pattern, path[len(prefix):]):

@@ -81,9 +81,16 @@ def build(kind: str, layers: int = 4, seed: int = 0):
     return MODELS[kind](layers)
 
 
-def gathered(param: torch.Tensor, tensor: torch.Tensor, tp_group) -> torch.Tensor:
+def gathered(param: torch.Tensor, tensor: torch.Tensor, tp_group, ep_group=None) -> torch.Tensor:
+    """The full tensor of `param` from this rank's shard `tensor`: over tp, then over ep for expert parameters
+    (give `ep_group` only for those)."""
     spec = get_tp_spec(param)
-    return tensor if spec is None or tp_group is None else gather_tensor(tensor, spec, tp_group)
+    full = tensor if spec is None or tp_group is None else gather_tensor(tensor, spec, tp_group)
+    if ep_group is None:
+        return full
+    parts = [torch.empty_like(full) for _ in range(torch.distributed.get_world_size(ep_group))]
+    torch.distributed.all_gather(parts, full.contiguous(), group=ep_group)
+    return torch.cat(parts)
 
 
 def assert_close(actual, expected, what: str, tol: float = 1e-5) -> None:
@@ -122,6 +129,8 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
     reference.train()
     model.train()
     tp_group = plugin.tp_group if plugin.tp_size > 1 else None
+    experts = model.info.expert_params  # split over ep: gathered over the ep group too
+    ep_of = lambda name: plugin.ctx.ep.group if name in experts else None  # noqa: E731
     mb = plugin_kwargs.get("microbatch_size") or local_batch // plugin_kwargs.get("num_microbatches", 1)
     dp, dp_rank = plugin.dp_size, plugin.dp_rank
     if resume_from is not None:
@@ -162,11 +171,12 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
                 assert grad is None, f"{kind}: unused {name} got a gradient"
                 continue
             assert grad is not None, f"{kind}: held parameter {name} got no gradient"
-            assert_close(gathered(p, grad.float(), tp_group), ref_grads[name], f"{kind} step {step} grad of {name}", tol)
+            assert_close(gathered(p, grad.float(), tp_group, ep_of(name)), ref_grads[name],
+                         f"{kind} step {step} grad of {name}", tol)
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
         for name, p in model.unwrap().named_parameters():
-            assert_close(gathered(p, p.data.float(), tp_group), ref_params[name].data, f"{kind} step {step} param {name}",
-                         tol)
+            assert_close(gathered(p, p.data.float(), tp_group, ep_of(name)), ref_params[name].data,
+                         f"{kind} step {step} param {name}", tol)
     if save_to is not None:
         booster.save_model(model, os.path.join(save_to, "model"))
         booster.save_optimizer(opt, os.path.join(save_to, "optimizer"))

@@ -6,7 +6,7 @@ that reads the plugin (its mesh, ranks, sizes, device, timeout).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Tuple
+from typing import Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,15 @@ class CheckpointContext:
     dp_size: int
     timeout_s: float                            # how long rank 0 waits for a save's other writers
     stage_writers: Tuple[Tuple[int, ...], ...]  # [stage][tp rank] -> global rank of dp rank 0 there
+    ep_rank: int = 0                            # expert parallel: dp = moe_dp x ep; expert parameters (split over
+    ep_size: int = 1                            # ep) are gathered over the ep ranks of moe_dp rank 0
+    moe_dp_rank: int = 0
+    ep_group: Optional[dist.ProcessGroup] = None  # None without expert parallelism
+
+    def gathers(self, expert: bool) -> bool:
+        """Whether this rank takes part in gathering a parameter of its stage: dp rank 0 (every tp rank); for an
+        expert parameter, every ep rank of moe_dp rank 0."""
+        return self.moe_dp_rank == 0 if expert else self.dp_rank == 0
 
     def writer_rank(self, stage: int, tp_rank: int = 0) -> int:
         """The global rank that writes a (stage, tp rank)'s tensors: dp rank 0 of it."""
@@ -47,4 +56,5 @@ class CheckpointContext:
                         for stage in range(ctx.pp.size))
         return cls(device=plugin.device, rank=dist.get_rank(), stage=ctx.pp.rank, num_stages=ctx.pp.size,
                    tp_rank=ctx.tp.rank, tp_size=ctx.tp.size, dp_rank=ctx.dp.rank, dp_size=ctx.dp.size,
-                   timeout_s=plugin.timeout, stage_writers=writers)
+                   timeout_s=plugin.timeout, stage_writers=writers, ep_rank=ctx.ep.rank, ep_size=ctx.ep.size,
+                   moe_dp_rank=ctx.moe_dp.rank, ep_group=ctx.ep.active)

@@ -50,18 +50,22 @@ def model_plan(ctx: CheckpointContext, module: HybridParallelModule) -> TensorPl
 
 def gathered(ctx: CheckpointContext, module: HybridParallelModule, entries: Iterable[Entry], stages: Dict[str, int],
              writer: int, snapshot: bool) -> Iterator[torch.Tensor]:
-    """Collective stream of full tensors. Every dp-rank-0 rank of a stage gathers its stage's entries over tp;
-    the `writer` receives other stages' entries from their stage writers, which send them. `snapshot`: copies that
-    later training steps do not change (for background writes)."""
+    """Collective stream of full tensors. Every dp-rank-0 rank of a stage gathers its stage's entries over tp
+    (expert parameters: every ep rank of moe_dp rank 0, over tp then ep); the `writer` receives other stages'
+    entries from their stage writers, which send them. `snapshot`: copies that later training steps do not change
+    (for background writes)."""
     held = dict(module.unwrap().named_parameters(remove_duplicate=False))
+    experts = module.info.expert_params
     for e in entries:
         stage = stages[e.name]
-        if stage == ctx.stage and ctx.dp_rank == 0:
+        if stage == ctx.stage and ctx.gathers(e.name in experts):
             p = held[e.name]
             t = p.detach()
             spec = get_tp_spec(p)
             if spec is not None:
                 t = gather_tensor(t, spec, module.tp_group) if module.tp_group is not None else unshard([t], spec)
+            if e.name in experts:
+                t = gather_experts(t, ctx.ep_group)
             if ctx.rank == ctx.writer_rank(stage) and writer != ctx.rank:
                 dist.send(t.contiguous(), dst=writer)
             yield t.clone() if snapshot and ctx.rank == writer else t
@@ -69,6 +73,15 @@ def gathered(ctx: CheckpointContext, module: HybridParallelModule, entries: Iter
             t = torch.empty(e.shape, dtype=e.dtype, device=ctx.device)
             dist.recv(t, src=ctx.writer_rank(stage))
             yield t
+
+
+def gather_experts(local: torch.Tensor, group) -> torch.Tensor:
+    """Every ep rank's experts (dim 0), in ep rank order: the tensor of all experts. Collective over `group`."""
+    if group is None:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts)
 
 
 def gather_on_rank0(ctx: CheckpointContext, module: HybridParallelModule,

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from shardformer.layer.spec import get_tp_spec, shard_from
+from shardformer.layer.spec import get_tp_spec, shard_from, shard_tensor
 
 from ..parallel_module import HybridParallelModule
 from .atomic import resolve_dir
@@ -186,7 +186,11 @@ def reshard(ctx: CheckpointContext, module: HybridParallelModule, files: ModelFi
                          f"shape {list(expected)}")
     spec = get_tp_spec(p)
     try:
-        if spec is None:
+        if name in module.info.expert_params:  # this ep rank's experts (dim 0), then its tp shard of them
+            local = f.read(key, 0, ctx.ep_rank * p.shape[0], (ctx.ep_rank + 1) * p.shape[0])
+            if spec is not None:
+                local = shard_tensor(local, spec, ctx.tp_rank, ctx.tp_size)
+        elif spec is None:
             local = f.read(key)
         else:
             dim = spec.dim % len(shape)

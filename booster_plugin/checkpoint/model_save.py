@@ -86,7 +86,9 @@ def _gather_files(ctx: CheckpointContext, module: HybridParallelModule, save: Mo
     for file_name, file_entries in save.files:
         writer = ctx.writer_rank(stages[file_entries[0].name]) if save.shard else 0
         writers.add(writer)
-        if not (ctx.rank == writer or (ctx.dp_rank == 0 and any(stages[e.name] == ctx.stage for e in file_entries))):
+        experts = module.info.expert_params
+        if not (ctx.rank == writer or any(stages[e.name] == ctx.stage and ctx.gathers(e.name in experts)
+                                          for e in file_entries)):
             continue
         stream = gathered(ctx, module, file_entries, stages, writer, snapshot=save.use_async)
         path = tmp if save.single else os.path.join(tmp, file_name)

@@ -157,6 +157,8 @@ def reshard(ctx: CheckpointContext, parts: OptimizerParts, saved: SavedOptimizer
             shards = [_tensor(saved, reads, holders[r], f"{found}/{key}") for r in sorted(holders)]
             if list(shards[0].shape) == info["shape"]:  # shaped like the parameter: re-shard
                 full = unshard(shards, old_spec) if old_spec is not None else shards[0]
+                if name in parts.module.info.expert_params:  # saved with every expert: this ep rank's
+                    full = full.narrow(0, ctx.ep_rank * p.shape[0], p.shape[0])
                 value = shard_tensor(full, spec, ctx.tp_rank, ctx.tp_size) if spec is not None else full
                 if list(value.shape) != list(p.shape):
                     raise ValueError(f"{saved.directory}: {found}/{key} re-sharded is {list(value.shape)}, this "

@@ -7,12 +7,14 @@ import os
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 
 from shardformer.layer.spec import get_tp_spec
 
 from ..optimizer import HybridParallelOptimizer
 from .atomic import swap_into_place
 from .context import CheckpointContext
+from .gather import gather_experts
 from .format import CHECKSUM_KEY, Entry, file_checksums, to_json, write_json, write_tensor_file
 from .jobs import describe
 from .optimizer import FileNames, OptimizerParts, file_names, optimizer_parts, spec_json
@@ -47,19 +49,20 @@ def _layout(ctx: CheckpointContext) -> Dict[str, int]:
 
 def _snapshot_files(ctx: CheckpointContext, parts: OptimizerParts, names: FileNames, tmp: str, use_async: bool,
                     commit: Callable[[], None]) -> LocalPhase:
-    """dp rank 0: this (stage, tp rank)'s state (copies if `use_async`), and the write of its two files."""
+    """dp rank 0: this (stage, tp rank)'s state (copies if `use_async`), and the write of its two files. Expert
+    parameters' state is saved whole (every expert), gathered over the ep ranks of moe_dp rank 0."""
     base = os.path.join(tmp, names.base.format(ctx.stage, ctx.tp_rank))
     snapshot, error = None, None
-    if ctx.dp_rank == 0:
+    if ctx.gathers(expert=True):  # (dp rank 0, and without ep the only one)
         try:
             header = {"layout": _layout(ctx), "stage": ctx.stage, "tp_rank": ctx.tp_rank,
                       "optimizer": type(parts.optim).__name__}
-            snapshot = _snapshot(parts, header, copy=use_async)
+            snapshot = _snapshot(parts, header, copy=use_async, ep_group=ctx.ep_group)
         except Exception as exc:
             error = describe(exc)
 
     def write() -> None:
-        if snapshot is not None:
+        if snapshot is not None and ctx.dp_rank == 0:
             write_tensor_file(base + ".safetensors", snapshot.entries, iter(snapshot.tensors))
             write_json(base + ".json", snapshot.meta)
 
@@ -67,10 +70,12 @@ def _snapshot_files(ctx: CheckpointContext, parts: OptimizerParts, names: FileNa
     return LocalPhase(commit, write, writers, error)
 
 
-def _snapshot(parts: OptimizerParts, header: Dict[str, Any], copy: bool) -> Snapshot:
+def _snapshot(parts: OptimizerParts, header: Dict[str, Any], copy: bool,
+              ep_group: Optional[dist.ProcessGroup] = None) -> Snapshot:
     """This rank's optimizer state: tensors (copies that later steps do not change if `copy`) and JSON (`header`
-    first)."""
+    first). Expert parameters' tensors are gathered over `ep_group` (collective), so the files hold every expert."""
     module, optim, names, master_ids = parts
+    experts = module.info.expert_params
     entries, tensors, groups, scalars, info = [], [], [], {}, {}
     for gi, group in enumerate(optim.param_groups):
         group_names = []
@@ -79,7 +84,9 @@ def _snapshot(parts: OptimizerParts, header: Dict[str, Any], copy: bool) -> Snap
                 raise LookupError("the optimizer steps a parameter that is not in the boosted model")
             name = names[id(p)]
             group_names.append(name)
-            info[name] = {"shape": list(p.shape), "spec": spec_json(get_tp_spec(p)),
+            whole = name in experts and ep_group is not None
+            shape = [p.shape[0] * dist.get_world_size(ep_group), *p.shape[1:]] if whole else list(p.shape)
+            info[name] = {"shape": shape, "spec": spec_json(get_tp_spec(p)),
                           "full_shape": list(module.full_params[name][0]), "group": gi, "tensors": [],
                           "master": id(p) in master_ids}
             state = dict(optim.state.get(p, {}))
@@ -87,6 +94,8 @@ def _snapshot(parts: OptimizerParts, header: Dict[str, Any], copy: bool) -> Snap
                 state["master"] = p.detach()  # the fp32 weights the optimizer steps
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if whole and value.shape == p.shape:
+                        value = gather_experts(value.detach(), ep_group)
                     entries.append(Entry(f"{name}/{key}", tuple(value.shape), value.dtype))
                     tensors.append(value.detach().clone() if copy else value)
                     info[name]["tensors"].append(key)

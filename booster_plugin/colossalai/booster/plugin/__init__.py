@@ -1,5 +1,7 @@
 """`colossalai.booster.plugin`: the plugins this library implements (see docs/colossalai_inventory.md for the
 others)."""
-from booster_plugin import DPPluginBase, HybridParallelPlugin, LowLevelZeroPlugin, Plugin, TorchDDPPlugin
+from booster_plugin import (DPPluginBase, HybridParallelPlugin, LowLevelZeroPlugin, MoeHybridParallelPlugin, Plugin,
+                            TorchDDPPlugin)
 
-__all__ = ["DPPluginBase", "HybridParallelPlugin", "LowLevelZeroPlugin", "Plugin", "TorchDDPPlugin"]
+__all__ = ["DPPluginBase", "HybridParallelPlugin", "LowLevelZeroPlugin", "MoeHybridParallelPlugin", "Plugin",
+           "TorchDDPPlugin"]

@@ -17,7 +17,7 @@ from .layer.expert_parallel import expert_parameters, split_experts_over_ep
 from .stage import Released
 from .styles import Experts, ParallelStyle
 
-__all__ = ["experts_modules", "check_expert_parallel", "shard_experts"]
+__all__ = ["experts_modules", "check_expert_parallel", "refuse_sequence_parallelism", "shard_experts"]
 
 
 def experts_modules(model: nn.Module, plan_style: Callable[[str], Optional[ParallelStyle]]) -> List[Tuple[str, nn.Module]]:
@@ -53,6 +53,20 @@ def check_expert_parallel(model: nn.Module, plan_style: Callable[[str], Optional
         if count % ep_size:
             raise ValueError(f"ep_size={ep_size} must divide the number of experts of {name} ({count} in '{path}'): "
                              f"each ep rank holds num_experts / ep_size whole experts.")
+
+
+def refuse_sequence_parallelism(model: nn.Module, plan_style: Callable[[str], Optional[ParallelStyle]],
+                                mode: str) -> None:
+    """Sequence parallelism is not supported on mixture-of-experts models yet: raise, alike on every rank, naming
+    why (before anything is sharded or any collective runs)."""
+    found = experts_modules(model, plan_style)
+    if found:
+        raise NotImplementedError(
+            f"sequence_parallelism_mode={mode!r} on {type(model).__name__}, a mixture-of-experts model ('{found[0][0]}'):"
+            f" not supported yet. Under sequence parallelism each rank's router would see its part of the sequence "
+            f"only, so the router's load-balancing loss (a product of per-expert means over all tokens) would differ "
+            f"from one process, and split_gather's tensor-split experts need the whole sequence. Train it without "
+            f"sequence parallelism (tp, pp, dp and ep_size compose).")
 
 
 def shard_experts(model: nn.Module, plan_style: Callable[[str], Optional[ParallelStyle]],

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 from torch import nn
 
 from .apply_styles import TPContext, apply_styles
-from .expert_sharding import check_expert_parallel, shard_experts
+from .expert_sharding import check_expert_parallel, refuse_sequence_parallelism, shard_experts
 from .layer.dropout import (wrap_model_forward_in_tracker_rng, wrap_module_forward_in_local_rng,
                             wrap_module_forward_in_shared_rng)
 from .layer.spec import get_tp_spec
@@ -45,6 +45,7 @@ class Sharder:
         self.policy.check_tp(self.model.config, self.shard_config.tp_size)
         mode = self.shard_config.sp_mode
         if mode is not None:
+            refuse_sequence_parallelism(self.model, self._plan_style, mode)
             check_sequence_parallelism(self.policy, mode, self.model.config, self.shard_config.tp_size)
         span = sequence_span(self.policy) if mode is not None else None  # before this stage keeps its own modules
         if self.shard_config.tp_size > 1:  # on the unsharded model, every rank alike, before any collective

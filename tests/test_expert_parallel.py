@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
+from booster_plugin import GradientCheckpointConfig
 from hp_check.tiny import tiny_config
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
@@ -66,6 +67,13 @@ def _four_ranks():
     for zero in (0, 2):  # dp 4 = moe_dp 2 x ep 2, experts of ep rank 1 never routed: nothing hangs, zero gradients
         mu.check_training("gptoss_idle_lm", steps=2, ep_size=2, zero_stage=zero, max_norm=0.05)
     mu.check_training("gptoss_idle_lm", steps=1, ep_size=2, precision="fp16", tol=5e-3)  # overflow checks too
+    # activation checkpointing, bf16, the V schedule (split backward), LoRA on attention
+    mu.check_training("qwen3moe_lm", steps=1, ep_size=2, tp_size=2, precision="bf16", tol=3e-2,
+                      gradient_checkpoint_config=GradientCheckpointConfig(gradient_checkpointing_ratio=1.0))
+    mu.check_training("qwen3moe_lm", steps=1, ep_size=2, pp_size=2, pp_style="zbv", num_model_chunks=2,
+                      num_microbatches=4)
+    from tests.test_lora import _train_like_peft
+    _train_like_peft("qwen3moe_lm", steps=1, ep_size=2, tp_size=2)
 
 
 def test_expert_parallel_four_ranks():
@@ -125,6 +133,8 @@ def _errors():
                                                        num_experts_per_tok=2))
     with pytest.raises(ValueError, match=r"must divide the number of experts .* \(3 in"):
         Booster(plugin=HybridParallelPlugin(ep_size=2)).boost(odd)
+    with pytest.raises(NotImplementedError, match="a mixture-of-experts model .* not supported yet"):
+        Booster(plugin=HybridParallelPlugin(tp_size=2, enable_sequence_parallelism=True)).boost(mu.build("qwen3moe_lm"))
     assert dist.get_world_size() == 2
 
 

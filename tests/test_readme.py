@@ -55,6 +55,13 @@ def _llama_setup():
                 batches=[mu.make_batch("llama_lm", 8, seed) for seed in range(2)])
 
 
+def _moe_setup():
+    import tests.test_expert_parallel  # noqa: F401  (registers the "qwen3moe_lm" builder)
+    model = mu.build("qwen3moe_lm")
+    return dict(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), criterion=mu.criterion,
+                batches=[mu.make_batch("qwen3moe_lm", 8, seed) for seed in range(2)])
+
+
 def _t5_setup():
     import tests.test_encoder_decoder  # noqa: F401  (registers the "t5_lm" builder)
 
@@ -64,7 +71,7 @@ def _t5_setup():
 
 
 SETUPS = {"gpt2": _gpt2_setup, "opt": _opt_setup, "boosted": _boosted_setup, "llama": _llama_setup,
-          "t5": _t5_setup, "none": dict}
+          "t5": _t5_setup, "moe": _moe_setup, "none": dict}
 
 
 def _run_blocks(blocks, workdir: str) -> None:

@@ -1,0 +1,307 @@
+"""Ring attention over a sequence-parallel ProcessGroup: exact causal attention on zigzag-sharded packed rows.
+
+Each rank holds its zigzag part (`ring_layout`) of the queries, keys and values. The forward runs sp steps; at step
+t the rank attends its two query chunks to the key/value block of rank (rank - t) mod sp (two chunks) while that
+block is already being passed on to the next rank (one batched isend/irecv per step, overlapped with the block
+products). Partial results merge with a running log-sum-exp, so the output is the softmax over all keys; blocks
+that the causal / document / window mask masks fully are skipped. The backward runs the same ring: the key/value
+blocks circulate again and their gradient accumulators follow them one step behind (each rank adds its
+contribution to the accumulator it receives and sends it on; after sp steps every accumulator is back at its
+owner). A rank holds at most two key/value blocks and two accumulators (fp32) at a time; nothing is all-gathered
+except the position ids. Each block is computed in row tiles of bounded size (`_TILE_BYTES` of fp32 scores).
+
+GQA: the query heads of one key/value head are grouped and multiplied against that head directly (no repeat).
+Attention sinks (GPT-OSS `s_aux`, one logit per head joining each row's softmax) are supported; the sinks'
+gradient is this rank's part (sum it over the group as for any replicated parameter). Scores and softmax are fp32.
+
+`RingAttention` is a transformers attention function (`AttentionInterface.register(name, RingAttention(group))`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from .ring_layout import (BlockKind, BlockMasks, Documents, HeadGroups, documents, gather_zigzag, kv_grads, output_grad,
+                          output_layout, pack_kv, query_blocks, query_grad, unpack_kv, zigzag_chunks)
+
+__all__ = ["RingSpec", "ring_attention", "RingAttention"]
+
+
+class RingSpec(NamedTuple):
+    """What one ring attention call needs besides the tensors; identical on every rank but `rank`."""
+    group: Optional[ProcessGroup]
+    world: int
+    rank: int
+    scale: float
+    masks: BlockMasks
+
+
+_TILE_BYTES = {"cpu": 8 << 20, None: 256 << 20}  # fp32 scores per row tile, by device type (None: others)
+
+
+# -- one block -------------------------------------------------------------------------------------------------------
+def _finite(lse: Tensor) -> Tensor:
+    """-inf (a row with no key yet) -> 0, so that exp(score - lse) is 0 instead of nan there."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _scores(q: Tensor, k: Tensor, masked: Optional[Tensor]) -> Tensor:
+    """fp32 scores [b, hkv, rows, c] of queries already multiplied by the softmax scale; masked pairs are -inf."""
+    s = torch.matmul(q, k.transpose(-1, -2)).float()
+    return s if masked is None else s.masked_fill_(masked, float("-inf"))
+
+
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, masked: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Softmax attention of query rows over one key chunk: (output normalized over this chunk, fp32; its
+    log-sum-exp [b, hkv, rows], -inf for rows without any key here, whose output is 0)."""
+    s = _scores(q, k, masked)
+    top = _finite(s.amax(dim=-1, keepdim=True))
+    p = s.sub_(top).exp_()
+    total = p.sum(dim=-1, keepdim=True)
+    lse = (top + total.log()).squeeze(-1)
+    return torch.matmul(p.to(v.dtype), v).float().div_(total.clamp_min_(torch.finfo(total.dtype).tiny)), lse
+
+
+def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """out, lse (in place) := the softmax over the keys of both (log-sum-exp weighting)."""
+    new = torch.logaddexp(lse, block_lse)
+    safe = _finite(new)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _block_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, lse: Tensor, delta: Tensor,
+                    masked: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients (fp32) of one block for the scaled queries (multiply by the scale for the queries'), keys and
+    values, recomputing its probabilities from the final log-sum-exp `lse`; `delta` = rowsum(grad * final output)."""
+    p = _scores(q, k, masked).sub_(lse.unsqueeze(-1)).exp_()
+    dv = torch.matmul(p.to(grad.dtype).transpose(-1, -2), grad)
+    ds = torch.matmul(grad, v.transpose(-1, -2)).float().sub_(delta.unsqueeze(-1)).mul_(p).to(q.dtype)
+    return torch.matmul(ds, k).float(), torch.matmul(ds.transpose(-1, -2), q).float(), dv.float()
+
+
+# -- the ring --------------------------------------------------------------------------------------------------------
+def _post(spec: RingSpec, sends: List[Tensor], recvs: List[Tensor]) -> List[Any]:
+    """Start receives from the previous rank and sends to the next one, in list order (receives first); the order
+    of messages between two ranks is the order they were posted, as NCCL and gloo both match them."""
+    prev, nxt = (spec.rank - 1) % spec.world, (spec.rank + 1) % spec.world
+    ops = [dist.P2POp(dist.irecv, t, group=spec.group, group_peer=prev) for t in recvs]
+    ops += [dist.P2POp(dist.isend, t, group=spec.group, group_peer=nxt) for t in sends]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works: List[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _work(spec: RingSpec, step: int, n: HeadGroups, device: torch.device):
+    """What to compute at `step`: (query slot, key slot, query rows, mask of those rows or None) per row tile of
+    each unskipped block (slots: the two local chunks). A tile lies inside one query head of a group, at most
+    `_TILE_BYTES` of fp32 scores (whole blocks are ~2x slower on CPU at c=4096: the scores leave the cache)."""
+    size = max(1, min(n.c, _TILE_BYTES.get(device.type, _TILE_BYTES[None]) // (4 * n.b * n.hkv * n.c)))
+    tiles = [(slice(j * n.c + r, j * n.c + min(r + size, n.c)), slice(r, min(r + size, n.c)))
+             for j in range(n.g) for r in range(0, n.c, size)]
+    source = (spec.rank - step) % spec.world
+    for qi, q_chunk in enumerate(zigzag_chunks(spec.world, spec.rank)):
+        for ki, k_chunk in enumerate(zigzag_chunks(spec.world, source)):
+            kind = spec.masks.kind(q_chunk, k_chunk)
+            if kind is BlockKind.SKIP:
+                continue
+            masked = spec.masks.masked(q_chunk, k_chunk, device) if kind is BlockKind.MASKED else None
+            for rows, positions in tiles:
+                yield qi, ki, rows, None if masked is None else masked[:, :, positions]
+
+
+def _ring_forward(q: Tensor, kv: Tensor, spec: RingSpec, n: HeadGroups) -> Tuple[Tensor, Tensor]:
+    """Output [2, b, hkv, g*c, dv] (fp32) and log-sum-exp [2, b, hkv, g*c] of the local queries over all keys."""
+    out = q.new_zeros((2, n.b, n.hkv, n.g * n.c, n.dv), dtype=torch.float32)
+    lse = torch.full(out.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    for step in range(spec.world):
+        incoming = torch.empty_like(kv) if step < spec.world - 1 else None
+        works = _post(spec, [kv], [incoming]) if incoming is not None else []
+        keys, values = unpack_kv(kv, n)
+        for qi, ki, rows, masked in _work(spec, step, n, q.device):
+            o, l = _block_forward(q[qi, :, :, rows], keys[ki], values[ki], masked)
+            _merge(out[qi, :, :, rows], lse[qi, :, :, rows], o, l)
+        _wait(works)
+        kv = incoming
+    return out, lse
+
+
+def _ring_backward(q: Tensor, kv: Tensor, lse: Tensor, grad: Tensor, delta: Tensor, spec: RingSpec,
+                   n: HeadGroups) -> Tuple[Tensor, Tensor]:
+    """(dq [2, b, hkv, g*c, dk], d(kv) flat) in fp32. Accumulator of step t travels to the next rank, which holds
+    that block at step t + 1; the one sent at the last step reaches the block's owner."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    sent: List[Any] = []
+    for step in range(spec.world):
+        arriving = torch.empty(kv.shape, dtype=torch.float32, device=kv.device) if step > 0 else None
+        incoming = torch.empty_like(kv) if step < spec.world - 1 else None
+        works = _post(spec, [kv] if incoming is not None else [], [t for t in (arriving, incoming) if t is not None])
+        acc = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        keys, values = unpack_kv(kv, n)
+        dkeys, dvalues = unpack_kv(acc, n)
+        for qi, ki, rows, masked in _work(spec, step, n, q.device):
+            tile = (qi, slice(None), slice(None), rows)
+            bq, bk, bv = _block_backward(q[tile], keys[ki], values[ki], grad[tile], lse[tile], delta[tile], masked)
+            dq[tile] += bq
+            dkeys[ki] += bk
+            dvalues[ki] += bv
+        _wait(works)
+        if arriving is not None:
+            acc += arriving
+        _wait(sent)
+        sent = _post(spec, [acc], []) if spec.world > 1 else []
+        kv = incoming if incoming is not None else kv
+    if spec.world == 1:
+        return dq, acc
+    own = torch.empty_like(acc)
+    _wait(_post(spec, [], [own]))
+    _wait(sent)
+    return dq, own
+
+
+# -- sinks -----------------------------------------------------------------------------------------------------------
+def _sink_rows(sinks: Tensor, n: HeadGroups) -> Tensor:
+    """Each query row's sink logit, [1, hkv, g*c] (fp32)."""
+    return sinks.float().view(1, n.hkv, n.g, 1).expand(1, n.hkv, n.g, n.c).reshape(1, n.hkv, n.g * n.c)
+
+
+def _add_sinks(out: Tensor, lse: Tensor, sinks: Tensor, n: HeadGroups) -> None:
+    """The sink logit joins each row's softmax denominator (and contributes no value): rescale in place."""
+    total = torch.logaddexp(lse, _sink_rows(sinks, n))
+    out.mul_(torch.exp(lse - total).unsqueeze(-1))
+    lse.copy_(total)
+
+
+def _sink_grad(lse: Tensor, delta: Tensor, sinks: Tensor, n: HeadGroups) -> Tensor:
+    """d loss / d sink = -sum over rows of p_sink * delta (this rank's rows)."""
+    p_sink = torch.exp(_sink_rows(sinks, n) - lse)
+    return -(p_sink * delta).view(2, n.b, n.hkv, n.g, n.c).sum(dim=(0, 1, 4)).reshape(-1).to(sinks.dtype)
+
+
+# -- autograd --------------------------------------------------------------------------------------------------------
+class _RingAttentionFn(torch.autograd.Function):
+    """(query [b, h, 2c, dk], key [b, hkv, 2c, dk], value [b, hkv, 2c, dv], sinks [h] or None) of this rank's
+    zigzag part -> output [b, 2c, h, dv] in query's dtype."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, sinks: Optional[Tensor], spec: RingSpec) -> Tensor:
+        b, h, s, dk = query.shape
+        n = HeadGroups(b, key.shape[1], h // key.shape[1], s // 2, dk, value.shape[-1])
+        q, kv = query_blocks(query, n).mul(spec.scale), pack_kv(key, value, n)  # scores = (scale * q) k^T
+        out, lse = _ring_forward(q, kv, spec, n)
+        if sinks is not None:
+            _add_sinks(out, lse, sinks, n)
+        ctx.save_for_backward(q, kv, out, lse, sinks)
+        ctx.spec, ctx.heads, ctx.kv_meta = spec, n, (key.shape, key.dtype, value.shape, value.dtype)
+        return output_layout(out.to(query.dtype), n)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        q, kv, out, lse, sinks = ctx.saved_tensors
+        spec, n = ctx.spec, ctx.heads
+        grad = output_grad(grad_output, n)
+        delta = (grad.float() * out).sum(-1)
+        dq, dkv = _ring_backward(q, kv, lse, grad.to(q.dtype), delta, spec, n)
+        dk, dv = kv_grads(dkv, n, *ctx.kv_meta)
+        dsinks = _sink_grad(lse, delta, sinks, n) if sinks is not None and ctx.needs_input_grad[3] else None
+        return query_grad(dq.mul_(spec.scale), n).to(q.dtype), dk, dv, dsinks, None
+
+
+def ring_attention(query: Tensor, key: Tensor, value: Tensor, spec: RingSpec,
+                   sinks: Optional[Tensor] = None) -> Tensor:
+    """Causal attention of this rank's zigzag part of the queries over the whole (zigzag-sharded) sequence.
+
+    Args:
+        query: [b, h, 2c, dk], key: [b, hkv, 2c, dk], value: [b, hkv, 2c, dv]: this rank's zigzag part (chunks r
+            and 2*sp-1-r of c tokens), h a multiple of hkv. Differentiable in all three.
+        spec: group, its size and this rank, the softmax scale and the block masks (`RingSpec`).
+        sinks: optional per-head sink logits [h] (GPT-OSS), differentiable (this rank's part of their gradient).
+    Returns:
+        [b, 2c, h, dv], this rank's zigzag part of the output (transformers' attention output layout).
+    Collective over `spec.group`: every rank calls it with the same shapes.
+    """
+    _check_shapes(query, key, value, sinks)
+    return _RingAttentionFn.apply(query, key, value, sinks, spec)
+
+
+def _check_shapes(query: Tensor, key: Tensor, value: Tensor, sinks: Optional[Tensor]) -> None:
+    """Refuse (before any collective) shapes ring attention cannot take."""
+    shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+    if not query.dim() == key.dim() == value.dim() == 4 or query.shape[:3:2] != key.shape[:3:2]:
+        raise ValueError(f"ring attention takes [batch, heads, sequence, head_dim] tensors, keys and values for "
+                         f"exactly this rank's queries (no cache, no cross-attention); got {shapes}.")
+    if query.shape[1] % key.shape[1] or value.shape[:3] != key.shape[:3] or query.shape[2] % 2:
+        raise ValueError(f"ring attention needs query heads a multiple of key/value heads and an even local length "
+                         f"(two zigzag chunks); got {shapes}.")
+    if sinks is not None and sinks.shape != (query.shape[1],):
+        raise ValueError(f"attention sinks must hold one logit per query head ({query.shape[1]}); got "
+                         f"{tuple(sinks.shape)}.")
+
+
+# -- transformers adapter --------------------------------------------------------------------------------------------
+@dataclass
+class RingAttention:
+    """A transformers attention function (`module, query, key, value, attention_mask, scaling, dropout,
+    sliding_window, **kwargs` -> (output [b, s, h, d], None)) running ring attention over `group` on the layers'
+    zigzag-sharded sequence.
+
+    Documents come from, in this order: `position_ids` if set (the full batch's, [S] or [b, S]: set it per batch);
+    else the `position_ids` keyword the layer passes (full length, or this rank's zigzag part, then all-gathered:
+    a collective); else one document per row. They are computed once per distinct position tensor. The model's
+    `attention_mask` is not read: the mask is causal within documents (and the module's sliding window), so padding
+    must be its own document(s) (its outputs are then ignored through the labels). `packed=False` ignores document
+    boundaries (one causal row: what transformers' own mask does when the model runs with a cache, use_cache=True).
+    """
+    group: Optional[ProcessGroup]
+    position_ids: Optional[Tensor] = None
+    packed: bool = True
+    _cache: Tuple[Any, Optional[Documents]] = field(default=(None, None), init=False, repr=False)
+
+    def __call__(self, module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                 scaling: Optional[float] = None, dropout: float = 0.0, sliding_window: Optional[int] = None,
+                 **kwargs: Any) -> Tuple[Tensor, None]:
+        _check_module(module, dropout, kwargs)
+        _check_shapes(query, key, value, kwargs.get("s_aux"))
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        source = self.position_ids if self.position_ids is not None else kwargs.get("position_ids")
+        docs = self._documents(source, query.shape[0], query.shape[2], world)
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        masks = BlockMasks(query.shape[2] // 2, sliding_window, docs)
+        spec = RingSpec(self.group, world, rank, scale, masks)
+        return _RingAttentionFn.apply(query, key, value, kwargs.get("s_aux"), spec), None
+
+    def _documents(self, source: Optional[Tensor], batch: int, local: int, world: int) -> Optional[Documents]:
+        length = local * world
+        if source is None or not self.packed:
+            return None
+        if self._cache[0] is source:
+            return self._cache[1]
+        rows = source.shape[0] if source.dim() == 2 else 1
+        if source.dim() > 2 or source.shape[-1] not in (local, length) or rows not in (1, batch):
+            raise ValueError(f"ring attention: position_ids {tuple(source.shape)} are neither the full sequence's "
+                             f"[{batch}, {length}] nor this rank's zigzag part [{batch}, {local}].")
+        full = source if source.shape[-1] == length else gather_zigzag(source, self.group, dim=source.dim() - 1)
+        docs = documents(full, world)
+        self._cache = (source, docs)
+        return docs
+
+
+def _check_module(module: Any, dropout: float, kwargs: dict) -> None:
+    """Refuse (before any collective) what ring attention does not compute."""
+    name = type(module).__name__
+    if dropout:
+        raise NotImplementedError(f"ring attention has no attention dropout ({name} asks for p={dropout}); set the "
+                                  f"model's attention dropout to 0 (e.g. config.attention_dropout=0.0).")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"ring attention does not implement logit soft-capping ({name}).")
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise NotImplementedError(f"ring attention is causal (zigzag load balancing); {name} is bidirectional.")

@@ -2,6 +2,7 @@
 shardformer for training."""
 from .activation_checkpoint import GradientCheckpointConfig
 from .booster import Booster
+from .fsdp import GeminiPlugin, TorchFSDPPlugin
 from .low_level_zero import LowLevelZeroPlugin
 from .moe_plugin import MoeHybridParallelPlugin
 from .optimizer import HybridParallelOptimizer
@@ -12,5 +13,5 @@ from .samplers import StatefulDistributedSampler
 from .torch_ddp import TorchDDPPlugin
 
 __all__ = ["Booster", "Plugin", "DPPluginBase", "HybridParallelPlugin", "MoeHybridParallelPlugin", "LowLevelZeroPlugin",
-           "TorchDDPPlugin",
+           "TorchDDPPlugin", "GeminiPlugin", "TorchFSDPPlugin",
            "HybridParallelModule", "HybridParallelOptimizer", "GradientCheckpointConfig", "StatefulDistributedSampler"]

@@ -1,0 +1,105 @@
+"""The boosted optimizers of the FSDP2 plugins: ColossalAI's FSDPOptimizerWrapper (TorchFSDPPlugin) and
+GeminiOptimizer (GeminiPlugin: fp16 loss scaling, clipping by `max_norm`, gradients cleared after each step).
+
+The wrapped torch optimizer steps the sharded fp32 parameters (DTensors, this rank's slices): they are the master
+weights whatever the compute dtype. Gradients arrive already averaged over data parallel (FSDP2 reduce-scatters them
+in the backward), so clipping needs only the global norm, which torch's clip_grad_norm_ computes over DTensors.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .mixed_precision import DynamicLossScaler
+from .optimizer_wrapper import OptimizerWrapper
+
+__all__ = ["FSDPOptimizerWrapper", "GeminiOptimizer", "full_value"]
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (e.g. a gradient norm), a plain tensor as is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FSDPOptimizerWrapper(OptimizerWrapper):
+    """ColossalAI's FSDPOptimizerWrapper: the optimizer of TorchFSDPPlugin; `unwrap_model()` is the boosted model."""
+
+    def __init__(self, optim: torch.optim.Optimizer, model: nn.Module) -> None:
+        super().__init__(optim)
+        self.model = model
+
+    def unwrap_model(self) -> nn.Module:
+        return self.model
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients' global norm (over every rank's shards); returns that norm before clipping."""
+        return full_value(nn.utils.clip_grad_norm_(self.parameters, max_norm, norm_type=norm_type))
+
+
+class GeminiOptimizer(FSDPOptimizerWrapper):
+    """ColossalAI's GeminiOptimizer over FSDP2. `backward` scales an fp16 loss; `step` unscales and checks the
+    gradients (an overflow anywhere skips the step on every rank and backs the scale off), clips their global norm
+    to `max_norm` (> 0), steps, and clears the gradients (as Gemini does, also after a skipped step)."""
+
+    def __init__(self, optim: torch.optim.Optimizer, model: nn.Module, scaler: Optional[DynamicLossScaler],
+                 max_norm: float) -> None:
+        super().__init__(optim, model)
+        self.scaler = scaler
+        self.max_norm = max_norm
+        self._grad_norm: Optional[float] = None
+        self._warned_clip = False
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        (self.scaler.scale_loss(loss) if self.scaler is not None else loss).backward(**kwargs)
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        torch.autograd.backward(tensor, grad * self.loss_scale if self.scaler is not None else grad)
+
+    def _grads(self) -> List[torch.Tensor]:
+        return [p.grad for p in self.parameters if p.grad is not None]
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.scaler is not None:
+            overflow = bool(self.scaler.unscale_and_check([_local(g) for g in self._grads()]))
+            self.scaler.update(overflow)
+            if overflow:
+                if self.scaler.at_min_scale and dist.get_rank() == 0:
+                    warnings.warn(f"fp16 gradients overflow at the minimum loss scale {self.scaler.scale}: the step "
+                                  f"is skipped.", stacklevel=2)
+                self._grad_norm = None
+                self.zero_grad()
+                return None
+        if self.max_norm > 0:
+            norm = nn.utils.clip_grad_norm_(self.parameters, self.max_norm)
+            self._grad_norm = float(full_value(norm))
+        result = self.optim.step(*args, **kwargs)
+        self.zero_grad()
+        return result
+
+    def get_grad_norm(self, norm_type: float = 2, **kwargs: Any) -> Optional[float]:
+        """The global gradient norm of the last step that clipped (max_norm > 0), before clipping."""
+        return self._grad_norm
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0, *args: Any, **kwargs: Any) -> None:
+        """As ColossalAI's GeminiOptimizer: clipping is the plugin's (`GeminiPlugin(max_norm=...)`); this call
+        warns and does nothing."""
+        if not self._warned_clip and dist.get_rank() == 0:
+            warnings.warn("GeminiOptimizer.clip_grad_by_norm does nothing (as in ColossalAI): Gemini clips by "
+                          "itself, pass GeminiPlugin(max_norm=...).", stacklevel=2)
+        self._warned_clip = True
+
+    def clip_grad_by_value(self, clip_value: float, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("Gemini does not support clip_grad_by_value (as in ColossalAI).")

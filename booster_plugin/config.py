@@ -58,14 +58,15 @@ class MeshConfig:
         return cls(tp_size, pp_size, ep_size, bool(dp_outside), float(timeout or DEFAULT_TIMEOUT_S),
                    timeout is not None)
 
-    def dp_size(self, world: int) -> int:
+    def dp_size(self, world: int, sp: int = 1) -> int:
         """The data-parallel size the world leaves; raises (alike on every rank, before any collective) when the
-        world does not split into tp × pp × dp with ep dividing dp."""
+        world does not split into tp × sp × pp × dp with ep dividing dp."""
         tp, pp, ep = self.tp_size, self.pp_size, self.ep_size
-        if world % (tp * pp):
-            raise ValueError(f"World size {world} is not divisible by tp_size * pp_size = {tp} * {pp}; "
-                             f"launch a multiple of {tp * pp} processes or change the sizes.")
-        dp = world // (tp * pp)
+        if world % (tp * pp * sp):
+            sizes = f"tp_size * pp_size{' * sp_size' if sp > 1 else ''} = {tp} * {pp}{f' * {sp}' if sp > 1 else ''}"
+            raise ValueError(f"World size {world} is not divisible by {sizes}; launch a multiple of {tp * pp * sp} "
+                             f"processes or change the sizes.")
+        dp = world // (tp * pp * sp)
         if dp % ep:
             raise ValueError(f"ep_size={ep} must divide the data-parallel size {dp} (world {world} / (tp_size {tp} "
                              f"* pp_size {pp})): expert parallelism splits the data-parallel ranks into ep groups "
@@ -133,7 +134,8 @@ class ShardingConfig:
     custom_policy: Optional[Policy]
     parallel_output: bool
     make_vocab_size_divisible_by: int
-    sp_mode: Optional[str]            # sequence parallelism over the tp group: None, "split_gather", "all_to_all"
+    sp_mode: Optional[str]            # sequence parallelism: None, "split_gather", "all_to_all", "ring_attn"
+    sp_size: int                      # > 1: over a group of its own ("all_to_all", "ring_attn"); 1: over tp
     seed: int                         # dropout RNG seed under tp
     gradient_checkpoint_config: Optional[GradientCheckpointConfig]
 
@@ -144,10 +146,11 @@ class ShardingConfig:
               gradient_checkpoint_config: Optional[GradientCheckpointConfig]) -> "ShardingConfig":
         if gradient_checkpoint_config is not None:
             gradient_checkpoint_config.check(pp_size)
-        sp_mode = resolve_mode(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size, _rank())
+        sp = resolve_mode(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size, _rank())
         check_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by, 1)
         policy = as_policy(custom_policy)  # ours as is, Parallelformers-style translated, else TypeError
-        return cls(policy, parallel_output, make_vocab_size_divisible_by, sp_mode, seed, gradient_checkpoint_config)
+        return cls(policy, parallel_output, make_vocab_size_divisible_by, sp.mode, sp.size, seed,
+                   gradient_checkpoint_config)
 
 
 @dataclass(frozen=True)
@@ -217,4 +220,5 @@ class PluginConfig:
                     precision=PRECISIONS.index(self.precision.precision), check_batches=int(self.check_batches),
                     num_model_chunks=p.num_model_chunks, pp_schedule_costs=int(p.measured_costs),
                     scheduler_nodes=fingerprint(p.nodes),
-                    sequence_parallelism_mode=(None, *SEQUENCE_PARALLEL_MODES).index(self.sharding.sp_mode))
+                    sequence_parallelism_mode=(None, *SEQUENCE_PARALLEL_MODES).index(self.sharding.sp_mode),
+                    sp_size=self.sharding.sp_size)

@@ -301,9 +301,12 @@ class HybridParallelModule(nn.Module):
     def sync_params(self) -> None:
         """Make replicas identical at start: tp rank 0's replicated parameters (norms, biases of row-parallel layers,
         position embeddings: a model built with another seed on each tp rank would otherwise train diverged copies),
-        dp rank 0's parameters, and the first holder's shared parameters."""
+        sp rank 0's parameters, dp rank 0's parameters (moe_dp rank 0's experts), and the first holder's shared
+        parameters."""
         if self.tp_group is not None:
             broadcast_params([p for p in self.module.parameters() if get_tp_spec(p) is None], self.tp_group)
+        if self.ctx.sp.size > 1:  # sequence-parallel ranks hold the same parameters
+            broadcast_params(list(self.module.parameters()), self.ctx.sp.group)
         if self.dp_size > 1:  # expert parameters from the replica holding the same experts
             experts = self.expert_param_ids()
             broadcast_params([p for p in self.module.parameters() if id(p) not in experts], self.dp_group)

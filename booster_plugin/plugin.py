@@ -119,7 +119,8 @@ class HybridParallelPlugin(HybridPluginBase):
         agree_on_layout(**config.agreement())
         self.failure_guard = FailureGuard.shared()
         world, tp_size, pp_size = dist.get_world_size(), config.mesh.tp_size, config.mesh.pp_size
-        dp_size = config.mesh.dp_size(world)
+        sp_size = config.sharding.sp_size  # (> 1: a group of its own)
+        dp_size = config.mesh.dp_size(world, sp_size)
         # the settings the model and optimizer are prepared with: ZeRO over one dp rank partitions nothing, so it runs
         # as zero_stage=0 (ColossalAI runs it too, warning that it only adds overhead)
         self._precision_in_effect = config.precision
@@ -130,8 +131,8 @@ class HybridParallelPlugin(HybridPluginBase):
                               f"1 (world {world} = tp_size {tp_size} * pp_size {pp_size}): nothing is partitioned, "
                               f"training runs as with zero_stage=0. Set zero_stage=0 to silence this.", stacklevel=2)
         self.device = default_device()
-        self._own_group: Optional[ProcessGroup] = None  # this rank alone (sp_group without sequence parallelism)
-        self.ctx = ParallelContext.build({"dp": dp_size, "pp": pp_size, "tp": tp_size, "ep": config.mesh.ep_size},
+        self.ctx = ParallelContext.build({"dp": dp_size, "pp": pp_size, "tp": tp_size, "ep": config.mesh.ep_size,
+                                          "sp": sp_size},
                                          timedelta(seconds=config.mesh.timeout), dp_outside=config.mesh.dp_outside)
         pipe = config.pipeline
         self._stage_manager = PipelineStageManager(
@@ -223,14 +224,12 @@ class HybridParallelPlugin(HybridPluginBase):
 
     @property
     def sp_group(self) -> ProcessGroup:
-        """ColossalAI's sequence-parallel group: the tp group with sequence parallelism (it runs over tp), else a
-        group of this rank alone (sp size 1), as in ColossalAI."""
-        if self.sp_mode is not None:
+        """ColossalAI's sequence-parallel group: the sp group of its own ("all_to_all"/"ring_attn" with sp_size > 1),
+        the tp group where sequence parallelism runs over tp, else a group of this rank alone (sp size 1), as in
+        ColossalAI."""
+        if self.sp_mode is not None and self.ctx.sp.size == 1:
             return self.ctx.tp.group
-        if self._own_group is None:  # only this rank takes part in creating it: no collective
-            self._own_group = dist.new_group([dist.get_rank()], timeout=timedelta(seconds=self.timeout),
-                                             use_local_synchronization=True)
-        return self._own_group
+        return self.ctx.sp.group
 
     @property
     def shard_config(self) -> ShardConfig:

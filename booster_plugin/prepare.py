@@ -74,7 +74,7 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
     # the unsharded layout (names, shapes, dtypes), for checkpoints in HF format; what batches the model accepts
     info = ModelInfo(policy, {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)},
                      BatchLimits(vocab_of(model), label_vocab_of(model),
-                                 sequence_multiple=ctx.tp.size if opts.sharding.sp_mode else 1), lora)
+                                 sequence_multiple=_sequence_multiple(opts.sharding, ctx)), lora)
     sharder, shared_names = _shard(model, policy, opts, ctx, stage_manager)
     info = replace(info, expert_params=frozenset(sharder.expert_params))
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -112,7 +112,7 @@ def shard_config_of(sharding: ShardingConfig, ctx: ParallelContext, stage_manage
         parallel_output=sharding.parallel_output,
         make_vocab_size_divisible_by=sharding.make_vocab_size_divisible_by, rng_tracker=rng_tracker,
         enable_sequence_parallelism=sharding.sp_mode is not None, sequence_parallelism_mode=sharding.sp_mode,
-        expert_parallel_process_group=ctx.ep.active)
+        expert_parallel_process_group=ctx.ep.active, sequence_parallel_process_group=ctx.sp.active)
 
 
 def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: ParallelContext,
@@ -142,6 +142,15 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
     sharder.materialize(opts.device)  # lazy init: a model built on the meta device gets only this rank's shard
     model.to(opts.device)
     return sharder, shared_names
+
+
+def _sequence_multiple(sharding: ShardingConfig, ctx: ParallelContext) -> int:
+    """What a batch's sequence length must be a multiple of: the ranks the sequence is split over (ring_attn: two
+    chunks each)."""
+    if sharding.sp_mode is None:
+        return 1
+    ranks = ctx.sp.size if ctx.sp.size > 1 else ctx.tp.size
+    return 2 * ranks if sharding.sp_mode == "ring_attn" else ranks
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: Dict[int, list], params: Dict[str, nn.Parameter]) -> None:

@@ -1,5 +1,5 @@
-"""The parallel context: the job's named mesh axes (dp, pp, tp, and expert parallelism's ep and moe_dp; a new kind
-of parallelism is a new row of AXES), each with its group, size and this rank's coordinate, built once and passed to
+"""The parallel context: the job's named mesh axes (dp, pp, tp, sequence parallelism's sp, expert parallelism's ep
+and moe_dp; a new kind of parallelism is a new row of AXES), each with its group, size and this rank's coordinate, built once and passed to
 whoever needs them.
 
 The mesh has physical dimensions MESH_DIMS; a named axis spans one or more of them: dp, over which the replicas of
@@ -28,9 +28,9 @@ from .mesh import ProcessGroupMesh
 __all__ = ["AXES", "MESH_DIMS", "Axis", "ParallelContext"]
 
 # the mesh's physical dimensions, outermost first (`dp_outside=False` moves moe_dp inside pp): replicas, pipeline
-# stages, expert-parallel ranks, tensor parallel innermost (its ranks are contiguous: on one host when the world spans
-# several)
-MESH_DIMS: Tuple[str, ...] = ("moe_dp", "pp", "ep", "tp")
+# stages, expert-parallel ranks, sequence-parallel ranks, tensor parallel innermost (its ranks are contiguous: on one
+# host when the world spans several)
+MESH_DIMS: Tuple[str, ...] = ("moe_dp", "pp", "ep", "sp", "tp")
 # the named axes and the mesh dimensions each spans (outermost first: a rank's coordinate along a spanning axis is
 # row-major over them, e.g. dp rank = moe_dp rank * ep size + ep rank)
 AXES: Dict[str, Tuple[str, ...]] = {
@@ -39,6 +39,7 @@ AXES: Dict[str, Tuple[str, ...]] = {
     "tp": ("tp",),            # tensor parallel
     "ep": ("ep",),            # expert parallel: ranks holding different experts of each MoE layer
     "moe_dp": ("moe_dp",),    # data parallel of the expert parameters: ranks holding the same experts
+    "sp": ("sp",),            # sequence parallel over a group of its own: ranks holding parts of one sequence
 }
 
 
@@ -74,6 +75,7 @@ class ParallelContext:
     tp: Axis
     ep: Axis
     moe_dp: Axis
+    sp: Axis
 
     @classmethod
     def build(cls, sizes: Dict[str, int], timeout: Optional[timedelta] = None,
@@ -81,20 +83,21 @@ class ParallelContext:
         """Collective: the mesh and every axis group.
 
         Args:
-            sizes: {"dp": ..., "pp": ..., "tp": ...} and optionally "ep" (default 1, must divide dp); their product
-                without ep is the world.
+            sizes: {"dp": ..., "pp": ..., "tp": ...} and optionally "ep" (default 1, must divide dp) and "sp"
+                (default 1); the product of dp, pp, sp and tp is the world.
             timeout: of every group's collectives.
             dp_outside: the replicas (moe_dp) outermost (default); False puts the pipeline stages outermost
                 (ColossalAI's `moe_dp_outside=False`).
         """
         sizes = dict(sizes)
-        ep = sizes.pop("ep", 1)
+        ep, sp = sizes.pop("ep", 1), sizes.pop("sp", 1)
         if set(sizes) != {"dp", "pp", "tp"}:
-            raise ValueError(f"ParallelContext needs the sizes of dp, pp, tp (and optionally ep), got {sorted(sizes)}.")
+            raise ValueError(f"ParallelContext needs the sizes of dp, pp, tp (and optionally ep, sp), got "
+                             f"{sorted(sizes)}.")
         if ep < 1 or sizes["dp"] % ep:
             raise ValueError(f"ep size {ep} must divide the dp size {sizes['dp']}.")
-        dim_sizes = {"moe_dp": sizes["dp"] // ep, "pp": sizes["pp"], "ep": ep, "tp": sizes["tp"]}
-        dims = MESH_DIMS if dp_outside else ("pp", "moe_dp", "ep", "tp")
+        dim_sizes = {"moe_dp": sizes["dp"] // ep, "pp": sizes["pp"], "ep": ep, "sp": sp, "tp": sizes["tp"]}
+        dims = MESH_DIMS if dp_outside else ("pp", "moe_dp", "ep", "sp", "tp")
         mesh = ProcessGroupMesh(*(dim_sizes[d] for d in dims), timeout=timeout)
         axes = {}
         for name, spans in AXES.items():  # every rank creates the groups in this order

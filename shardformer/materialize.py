@@ -46,7 +46,7 @@ def materialize(model: nn.Module, device, group: Optional[ProcessGroup], stage: 
                 if t is None or not t.is_meta:
                     continue
                 if id(t) not in new_of:
-                    new_of[id(t)] = _allocated(t, device, group)
+                    new_of[id(t)] = _allocated(t, device)
                     keep_alive.append(t)
                     source = sources.find(names.get(id(t), ())) if sources is not None else None
                     if source is not None:
@@ -72,16 +72,16 @@ def _fill(sources: WeightSources, targets: Sequence[Tuple[str, torch.Tensor]], g
         sources.fill(name, t.data, get_tp_spec(t), rank, world)
 
 
-def _allocated(t: torch.Tensor, device: torch.device, group: Optional[ProcessGroup]) -> torch.Tensor:
+def _allocated(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """An uninitialized tensor like the meta tensor `t` on `device`; a parameter keeps its attributes."""
     data = torch.empty(t.shape, dtype=t.dtype, device=device)
     if not isinstance(t, nn.Parameter):
         return data
     new = nn.Parameter(data, requires_grad=t.requires_grad)
-    skip = ("_is_hf_initialized", "_grad_summed_over_tp", DEVICE_TAG)
+    skip = ("_is_hf_initialized", "_grad_summed_over", DEVICE_TAG)
     new.__dict__.update({k: v for k, v in t.__dict__.items() if k not in skip})
-    if getattr(t, "_grad_summed_over_tp", False):  # its gradient hook stays with `t`
-        sum_grad_over_tp(new, group)
+    for summed_over in getattr(t, "_grad_summed_over", ()):  # its gradient hooks stay with `t`
+        sum_grad_over_tp(new, summed_over)
     return new
 
 

@@ -25,64 +25,91 @@ layers run unsplit, as tensor parallelism alone (all_to_all: replicated layers).
 """
 from __future__ import annotations
 
-import copy
 import re
-import sys
 import warnings
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from torch.utils._pytree import tree_map_only
 
 from .layer import ColumnParallelLinear, RowParallelLinear, gather_from_tp, split_to_tp
-from .layer.comm import all_to_all
+from .layer.ring_layout import zigzag_index
 from .layer.spec import get_tp_spec
 from .layer.replicated import sum_grad_over_tp
 from .policies.base import Colwise, KVHeads, Policy, Rowwise, SharedTailGrad, SplitParam
+from .ring_sequence import use_ring_attention
+from .ulysses import SEQUENCE_DIM, use_ulysses_attention
 
-__all__ = ["SEQUENCE_PARALLEL_MODES", "SEQUENCE_DIM", "SequenceSpan", "resolve_mode", "check_sequence_parallelism",
+__all__ = ["SEQUENCE_PARALLEL_MODES", "SEQUENCE_DIM", "SequenceParallel", "SequenceSpan", "resolve_mode", "check_sequence_parallelism",
            "inside_layers", "sequence_span", "apply_sequence_parallelism"]
 
-SEQUENCE_PARALLEL_MODES = ("split_gather", "all_to_all")
-SEQUENCE_DIM = 1  # hidden states are (batch, sequence, hidden) in the models' layers
-ULYSSES = "hybrid_parallel_ulysses"  # the attention implementation name the all_to_all layers' attention sees
+SEQUENCE_PARALLEL_MODES = ("split_gather", "all_to_all", "ring_attn")
+
+
+class SequenceParallel(NamedTuple):
+    """The sequence parallelism a plugin's arguments ask for: `mode` (None: off) and `size`, the ranks of a group of
+    its own (1: the tp group carries it)."""
+    mode: Optional[str]
+    size: int = 1
+
+    @property
+    def own_group(self) -> bool:
+        return self.size > 1
 
 
 def resolve_mode(enable: bool, mode: Optional[str], sp_size: Optional[int], tp_size: int,
-                 warn_rank: int = 0) -> Optional[str]:
-    """The sequence parallelism mode that HybridParallelPlugin's (ColossalAI's) arguments ask for, None for none;
-    what cannot be done raises, naming the options (no collective: the same on every rank).
+                 warn_rank: int = 0) -> SequenceParallel:
+    """The sequence parallelism HybridParallelPlugin's (ColossalAI's) arguments ask for; what cannot be done raises,
+    naming the options (no collective: the same on every rank). ColossalAI's rules: "split_gather" (and "ring",
+    which runs as split_gather here) use the tp group (needs tp_size > 1; sp_size is ignored); "all_to_all" and
+    "ring_attn" use a group of `sp_size` ranks of their own (world = dp * pp * sp * tp; tp may be 1). Ours too:
+    "all_to_all" with sp_size unset or 1 runs over the tp group, as before sp groups existed.
 
     Args:
         enable: `enable_sequence_parallelism`.
-        mode: `sequence_parallelism_mode`; None means "split_gather" (ColossalAI's plugin would pick "all_to_all"
-            over an sp group of `sp_size` ranks, 1 by default: no split at all).
-        sp_size: ColossalAI's separate sequence-parallel group size: only None or 1 (or tp_size with
-            enable) are accepted, the sequence being split over the tp group.
+        mode: `sequence_parallelism_mode`; None means "all_to_all" when sp_size > 1 (ColossalAI's default), else
+            "split_gather" over the tp group (ColossalAI would run "all_to_all" over one rank: no split at all).
+        sp_size: the size of the sequence-parallel group of its own.
         tp_size: the tp group size.
-        warn_rank: this process's rank; rank 0 warns about a mode given without `enable`.
+        warn_rank: this process's rank; rank 0 warns.
     """
-    if sp_size not in (None, 1) and not (enable and sp_size == tp_size):
-        raise NotImplementedError(f"sp_size={sp_size}: sequence parallelism over a group of its own is not "
-                                  f"implemented; it runs over the tp group: use tp_size={sp_size} with "
-                                  f"enable_sequence_parallelism=True (sequence_parallelism_mode 'split_gather' or "
-                                  f"'all_to_all') and leave sp_size unset.")
+    if sp_size is not None and (isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1):
+        raise ValueError(f"sp_size must be an integer >= 1, got {sp_size!r}.")
+    size = sp_size or 1
     if not enable:
+        if size > 1:
+            raise ValueError(f"sp_size={sp_size} splits the sequence over a group of its own: also set "
+                             f"enable_sequence_parallelism=True (as ColossalAI requires).")
         if mode is not None and warn_rank == 0:
             warnings.warn(f"sequence_parallelism_mode={mode!r} is ignored without enable_sequence_parallelism=True "
                           f"(as in ColossalAI).", stacklevel=3)
-        return None
-    mode = "split_gather" if mode is None else mode
+        return SequenceParallel(None)
+    if mode is None:
+        mode = "all_to_all" if size > 1 else "split_gather"
+    if mode == "ring":
+        if warn_rank == 0:
+            warnings.warn("sequence_parallelism_mode='ring' (ColossalAI's split_gather with its all-gather overlapped "
+                          "in a ring of point-to-point chunks) runs as 'split_gather' over the tp group: the same "
+                          "results, the all-gather not overlapped.", stacklevel=3)
+        mode = "split_gather"
     if mode not in SEQUENCE_PARALLEL_MODES:
-        raise NotImplementedError(f"sequence_parallelism_mode={mode!r} is not supported; use 'split_gather' "
-                                  f"(Megatron-LM) or 'all_to_all' (DeepSpeed-Ulysses), both over the tp group "
-                                  f"('ring' and 'ring_attn' are not implemented).")
-    if tp_size == 1:
+        raise NotImplementedError(f"sequence_parallelism_mode={mode!r} is not supported; use 'split_gather' (Megatron-LM"
+                                  f", over the tp group), 'all_to_all' (DeepSpeed-Ulysses) or 'ring_attn' (ring "
+                                  f"attention; both over sp_size ranks of their own).")
+    if mode == "split_gather":
+        if size not in (1, tp_size) and warn_rank == 0:
+            warnings.warn(f"sp_size={sp_size} is ignored by sequence_parallelism_mode='split_gather', which splits the "
+                          f"sequence over the tp group (as in ColossalAI).", stacklevel=3)
+        size = 1
+    if mode == "ring_attn" and size == 1:
+        raise ValueError("sequence_parallelism_mode='ring_attn' passes key/value blocks around a sequence-parallel "
+                         "group of its own: set sp_size > 1.")
+    if size == 1 and tp_size == 1:
         raise ValueError(f"enable_sequence_parallelism=True (sequence_parallelism_mode={mode!r}) splits the sequence "
-                         f"over the tp group, but tp_size=1: set tp_size > 1.")
-    return mode
+                         f"over the tp group without sp_size, but tp_size=1: set tp_size > 1, or sp_size > 1 for "
+                         f"'all_to_all' / 'ring_attn' over a group of their own.")
+    return SequenceParallel(mode, size)
 
 
 def inside_layers(policy: Policy, rel: str) -> bool:
@@ -90,18 +117,21 @@ def inside_layers(policy: Policy, rel: str) -> bool:
     return rel.startswith(policy.layers + ".")
 
 
-def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: int) -> None:
+def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: int, sp_size: int = 1) -> None:
     """Refuse (the same on every rank, before any collective of the sharding) what the mode cannot split exactly,
-    naming the model, the module or setting, and what to use instead."""
+    naming the model, the module or setting, and what to use instead. `sp_size` > 1: over a group of its own."""
     name = type(policy.model).__name__
     if mode not in SEQUENCE_PARALLEL_MODES:
         raise ValueError(f"sequence_parallelism_mode={mode!r}: use one of {SEQUENCE_PARALLEL_MODES}.")
-    if tp_size == 1:
-        raise ValueError("Sequence parallelism splits the sequence over the tp group: it needs tp_size > 1.")
+    if tp_size == 1 and sp_size == 1:
+        raise ValueError("Sequence parallelism splits the sequence over the tp group (or sp_size ranks of its own): "
+                         "it needs tp_size > 1 or sp_size > 1.")
     if getattr(policy, "release_unheld_layers", None) is not None or getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError(f"enable_sequence_parallelism: {name} is an encoder-decoder model (cross-attention "
                                   f"reads the other stack's full sequence), which is not supported; use "
                                   f"enable_sequence_parallelism=False.")
+    if mode == "all_to_all" and sp_size > 1:
+        _check_heads_split(name, config, tp_size, sp_size)
     for pattern, style in policy.tp_plan.items():
         if not inside_layers(policy, pattern):
             continue
@@ -115,13 +145,26 @@ def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: 
         if mode == "all_to_all" and isinstance(style, SplitParam):
             raise NotImplementedError(f"sequence_parallelism_mode='all_to_all': {name} has per-head parameters "
                                       f"('{pattern}') its attention reads, which the heads exchange would not "
-                                      f"split; use sequence_parallelism_mode='split_gather'.")
-        if mode == "all_to_all" and isinstance(style, KVHeads):
-            raise ValueError(f"sequence_parallelism_mode='all_to_all' splits the key/value heads over tp ranks, but "
-                             f"{name} has {style.num_heads} key/value heads for tp_size={tp_size}: use a tp_size "
+                                      f"split; use sequence_parallelism_mode='split_gather' or 'ring_attn'.")
+        if mode == "all_to_all" and isinstance(style, KVHeads) and tp_size > 1:
+            over = "tp" if sp_size == 1 else f"tp_size * sp_size = {tp_size * sp_size}"
+            raise ValueError(f"sequence_parallelism_mode='all_to_all' splits the key/value heads over {over} ranks, "
+                             f"but {name} has {style.num_heads} key/value heads for tp_size={tp_size}: use a tp size "
                              f"that divides {style.num_heads}, or sequence_parallelism_mode='split_gather'.")
     if mode == "split_gather":
         _check_mixers_are_regions(policy, name)
+
+
+def _check_heads_split(name: str, config: Any, tp_size: int, sp_size: int) -> None:
+    """all_to_all over sp_size ranks exchanges each rank's heads (already 1/tp of them) for sequence: they must
+    split evenly."""
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, attr, None)
+        if isinstance(heads, int) and (heads % tp_size or (heads // tp_size) % sp_size):
+            raise ValueError(f"sequence_parallelism_mode='all_to_all' exchanges heads for sequence over sp_size="
+                             f"{sp_size} ranks, but {name} has {attr}={heads} for tp_size={tp_size}: "
+                             f"tp_size * sp_size must divide it. Use another sp_size, or sequence_parallelism_mode="
+                             f"'ring_attn' (any number of heads).")
 
 
 def _refuse_split_gather(reason: str) -> None:
@@ -174,38 +217,46 @@ def sequence_span(policy: Policy) -> SequenceSpan:
 
 
 def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceSpan, mode: str,
-                               group: ProcessGroup) -> None:
+                               group: ProcessGroup, own_group: bool = False) -> None:
     """Split the sequence over `group` in `span`, on a model already sharded for tp; see the module docstring.
 
     Args:
         model: the sharded model (this stage's layers only).
         policy: its policy (`layers`, `base_prefix`).
         span: from `sequence_span` on the unsharded model (hooks act where this stage holds the modules).
-        mode: "split_gather" or "all_to_all".
-        group: the tp group.
+        mode: "split_gather", "all_to_all" or "ring_attn".
+        group: the tp group, or with `own_group` the sequence-parallel group of its own (every parameter of the
+            span, tensor-split or not, then sees this rank's part of the sequence: its gradient is summed over it).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     held: List[nn.Module] = list(policy.layer_list())
-    span.first.register_forward_pre_hook(_SplitSequence(group, world, rank), with_kwargs=True)
-    span.last.register_forward_hook(_GatherSequence(group))
-    prefix = policy.base_prefix + policy.layers + "."
-    for path, module in model.named_modules():
-        if path.startswith(prefix) and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module.sequence_dim = SEQUENCE_DIM
+    zigzag = mode == "ring_attn"
+    span.first.register_forward_pre_hook(_SplitSequence(group, world, rank, zigzag, "sp_size" if own_group else
+                                                        "tp_size"), with_kwargs=True)
+    span.last.register_forward_hook(_GatherSequence(group, world, zigzag))
+    if mode == "split_gather":
+        prefix = policy.base_prefix + policy.layers + "."
+        for path, module in model.named_modules():
+            if path.startswith(prefix) and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.sequence_dim = SEQUENCE_DIM
     norm = [span.norm] if any(m is span.norm for m in model.modules()) else []  # (the last stage holds it)
     for module in held + norm:  # replicated parameters now see this rank's part of the sequence only
         for p in module.parameters():
-            if get_tp_spec(p) is None:
+            if own_group or get_tp_spec(p) is None:
                 sum_grad_over_tp(p, group)
     if mode == "all_to_all":
-        _use_ulysses_attention(model, held, group, world, rank)
+        use_ulysses_attention(model, held, group, world, rank)
+    elif mode == "ring_attn":
+        use_ring_attention(model, held, group, world, rank)
 
 
 class _SplitSequence:
-    """Forward pre-hook of the first layer: keep this rank's chunk of the hidden states (training mode)."""
+    """Forward pre-hook of the first layer: keep this rank's chunk of the hidden states (training mode); `zigzag`:
+    its two chunks of 2 * world (ring attention's balanced layout)."""
 
-    def __init__(self, group: ProcessGroup, world: int, rank: int) -> None:
-        self.group, self.world, self.rank = group, world, rank
+    def __init__(self, group: ProcessGroup, world: int, rank: int, zigzag: bool = False,
+                 size_name: str = "tp_size") -> None:
+        self.group, self.world, self.rank, self.zigzag, self.size_name = group, world, rank, zigzag, size_name
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: Dict[str, Any]):
         if not module.training:
@@ -216,98 +267,33 @@ class _SplitSequence:
 
     def _split(self, hidden: Tensor) -> Tensor:
         length = hidden.shape[SEQUENCE_DIM]
-        if length % self.world:
-            raise ValueError(f"enable_sequence_parallelism splits the sequence over tp_size={self.world} ranks, but "
-                             f"this batch has sequence length {length}: pad the batch to a multiple of "
-                             f"{self.world} (e.g. the tokenizer's pad_to_multiple_of={self.world}).")
+        multiple = 2 * self.world if self.zigzag else self.world
+        if length % multiple:
+            raise ValueError(f"enable_sequence_parallelism splits the sequence over {self.size_name}={self.world} ranks"
+                             f"{' in 2 chunks each (ring_attn)' if self.zigzag else ''}, but this batch has sequence "
+                             f"length {length}: pad the batch to a multiple of {multiple} (e.g. the tokenizer's "
+                             f"pad_to_multiple_of={multiple}).")
+        if self.zigzag:
+            hidden = hidden.index_select(SEQUENCE_DIM, zigzag_index(length, self.world, hidden.device))
         return split_to_tp(hidden, SEQUENCE_DIM, self.group)
 
 
 class _GatherSequence:
-    """Forward hook of the span's last module: the full sequence again (training mode)."""
+    """Forward hook of the span's last module: the full sequence again, in order (training mode)."""
 
-    def __init__(self, group: ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, group: ProcessGroup, world: int, zigzag: bool = False) -> None:
+        self.group, self.world, self.zigzag = group, world, zigzag
 
     def __call__(self, module: nn.Module, args: tuple, output: Any):
         if not module.training:
             return None
         if isinstance(output, tuple):
-            return (gather_from_tp(output[0], SEQUENCE_DIM, self.group), *output[1:])
-        return gather_from_tp(output, SEQUENCE_DIM, self.group)
+            return (self._gather(output[0]), *output[1:])
+        return self._gather(output)
 
-
-# -- all_to_all: Ulysses attention ----------------------------------------------------------------------------------
-class _Ulysses:
-    """What the Ulysses attention function needs of one attention module: the group and the attention function the
-    module would have called (the model's own implementation name and its modeling file's eager function)."""
-
-    def __init__(self, group: ProcessGroup, implementation: str, eager) -> None:
-        self.group, self.implementation, self.eager = group, implementation, eager
-
-
-def _ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
-    """transformers attention function: q/k/v (batch, heads, sequence shard, head dim) are exchanged for (batch,
-    heads / tp, full sequence, head dim), the module's own attention function runs with the full mask, and its
-    output (batch, full sequence, heads / tp, head dim) is exchanged back to (batch, sequence shard, heads, head
-    dim). In eval mode the layers are unsplit and the own function runs as is."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    spec: _Ulysses = module.hybrid_parallel_ulysses
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(spec.implementation, spec.eager)
-    if not module.training:
-        return attention(module, query, key, value, attention_mask, **kwargs)
-    query, key, value = (all_to_all(t, 1, 2, spec.group) for t in (query, key, value))
-    output, weights = attention(module, query, key, value, attention_mask, **kwargs)
-    return all_to_all(output, 1, 2, spec.group), weights
-
-
-class _ShardPositionEmbeddings:
-    """Forward pre-hook of each layer (all_to_all): the rotary tables (`position_embeddings`, computed by the model
-    on the full sequence) cut to this rank's chunk, which its queries and keys are rotated with before the
-    exchange."""
-
-    def __init__(self, world: int, rank: int) -> None:
-        self.world, self.rank = world, rank
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: Dict[str, Any]):
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        tables = kwargs.get("position_embeddings")
-        if not module.training or tables is None or hidden is None:
-            return None
-        chunk = hidden.shape[SEQUENCE_DIM]
-        return args, {**kwargs, "position_embeddings": tree_map_only(Tensor, lambda t: self._cut(t, chunk), tables)}
-
-    def _cut(self, table: Tensor, chunk: int) -> Tensor:
-        full = table.dim() > SEQUENCE_DIM and table.shape[SEQUENCE_DIM] == chunk * self.world
-        return table.narrow(SEQUENCE_DIM, self.rank * chunk, chunk) if full else table
-
-
-def _use_ulysses_attention(model: nn.Module, layers: Sequence[nn.Module], group: ProcessGroup, world: int,
-                           rank: int) -> None:
-    """Point the layers' modules at a config view whose attention implementation is the Ulysses wrapper (the
-    model's own config, and so its masks, are unchanged) and cut the rotary tables per layer."""
-    from transformers import AttentionInterface
-
-    config = model.base_model.config
-    implementation = config._attn_implementation
-    view = copy.copy(config)
-    object.__setattr__(view, "_attn_implementation_internal", ULYSSES)  # no setter: it would recurse into sub-configs
-    AttentionInterface.register(ULYSSES, _ulysses_attention)
-    for layer in layers:
-        layer.register_forward_pre_hook(_ShardPositionEmbeddings(world, rank), with_kwargs=True)
-        readers = [m for m in layer.modules() if getattr(m, "config", None) is config]
-        if not readers:
-            raise NotImplementedError(f"sequence_parallelism_mode='all_to_all' replaces the attention implementation "
-                                      f"the layers read from the model's config, but no module of "
-                                      f"{type(layer).__name__} holds that config; use "
-                                      f"sequence_parallelism_mode='split_gather'.")
-        for module in readers:
-            eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-            if implementation == "eager" and eager is None:
-                raise NotImplementedError(f"sequence_parallelism_mode='all_to_all' wraps the model's attention "
-                                          f"function, but {type(module).__name__} with attn_implementation='eager' "
-                                          f"has none to wrap; load the model with attn_implementation='sdpa'.")
-            module.config = view
-            module.hybrid_parallel_ulysses = _Ulysses(group, implementation, eager)
-
+    def _gather(self, shard: Tensor) -> Tensor:
+        full = gather_from_tp(shard, SEQUENCE_DIM, self.group)
+        if self.zigzag:
+            order = zigzag_index(full.shape[SEQUENCE_DIM], self.world, full.device).argsort()
+            full = full.index_select(SEQUENCE_DIM, order)
+        return full

@@ -27,6 +27,15 @@ class ShardConfig:
     enable_sequence_parallelism: bool = False
     sequence_parallelism_mode: Optional[str] = None
     expert_parallel_process_group: Optional[dist.ProcessGroup] = None  # None: experts not split over ranks
+    # sequence parallelism over a group of its own ("all_to_all", "ring_attn" with sp_size > 1); None: over tp
+    sequence_parallel_process_group: Optional[dist.ProcessGroup] = None
+
+    @property
+    def sp_group(self) -> Optional[dist.ProcessGroup]:
+        """The group the sequence is split over (None without sequence parallelism)."""
+        if self.sp_mode is None:
+            return None
+        return self.sequence_parallel_process_group or self.tensor_parallel_process_group
 
     @property
     def ep_size(self) -> int:

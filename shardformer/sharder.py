@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from .apply_styles import TPContext, apply_styles
@@ -46,7 +47,8 @@ class Sharder:
         mode = self.shard_config.sp_mode
         if mode is not None:
             refuse_sequence_parallelism(self.model, self._plan_style, mode)
-            check_sequence_parallelism(self.policy, mode, self.model.config, self.shard_config.tp_size)
+            check_sequence_parallelism(self.policy, mode, self.model.config, self.shard_config.tp_size,
+                                       self._sp_size())
         span = sequence_span(self.policy) if mode is not None else None  # before this stage keeps its own modules
         if self.shard_config.tp_size > 1:  # on the unsharded model, every rank alike, before any collective
             check_lora_layers(self.model, self._style_of)
@@ -66,9 +68,9 @@ class Sharder:
                                   SEQUENCE_DIM if mode == "split_gather" else None)
             self._change_attributes()
             self._use_tracker_rng()
-            if mode is not None:
-                apply_sequence_parallelism(self.model, self.policy, span, mode,
-                                           self.shard_config.tensor_parallel_process_group)
+        if mode is not None:
+            apply_sequence_parallelism(self.model, self.policy, span, mode, self.shard_config.sp_group,
+                                       own_group=self.shard_config.sequence_parallel_process_group is not None)
         if self.shard_config.ep_size > 1:  # after the tp split: its hooks run inside the exchange
             self.expert_params = shard_experts(self.model, self._plan_style,
                                                self.shard_config.expert_parallel_process_group)
@@ -97,9 +99,16 @@ class Sharder:
             by_id.setdefault(id(p), []).append(name)
         return [names for names in by_id.values() if len(names) > 1]
 
+    def _sp_size(self) -> int:
+        """Ranks of the sequence-parallel group of its own (1: none, the sequence is split over tp)."""
+        group = self.shard_config.sequence_parallel_process_group
+        return 1 if group is None else dist.get_world_size(group)
+
     def _replicated_layers(self, rel: str) -> bool:
-        """all_to_all sequence parallelism keeps the layers' weights whole: no tp style or attribute inside them."""
-        return self.shard_config.sp_mode == "all_to_all" and inside_layers(self.policy, rel)
+        """all_to_all sequence parallelism over the tp group keeps the layers' weights whole: no tp style or
+        attribute inside them (over a group of its own, tp splits them as usual)."""
+        return (self.shard_config.sp_mode == "all_to_all" and self.shard_config.sequence_parallel_process_group is None
+                and inside_layers(self.policy, rel))
 
     def _plan_style(self, path: str) -> Optional[ParallelStyle]:
         """The plan's style of a module, whatever sequence parallelism does to it."""

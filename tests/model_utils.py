@@ -22,9 +22,10 @@ def gpt2_config(layers: int = 4) -> GPT2Config:
                       embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def llama_config(layers: int = 4) -> LlamaConfig:
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32, pad_token_id=0)
+def llama_config(layers: int = 4, **overrides) -> LlamaConfig:
+    return LlamaConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
+                                 pad_token_id=0), **overrides})
 
 
 def bert_config(layers: int = 4) -> BertConfig:
@@ -47,13 +48,28 @@ MODELS: Dict[str, Callable] = {
     "llama_lm": lambda n=4: LlamaForCausalLM(llama_config(n)),
     "llama": lambda n=4: LlamaModel(llama_config(n)),
     "llama_cls": lambda n=4: LlamaForSequenceClassification(llama_config(n)),
+    # packed rows (make_batch): without a cache, as transformers needs to keep attention inside each document
+    "llama_packed_lm": lambda n=4: LlamaForCausalLM(llama_config(n, use_cache=False)),
+    # (with a cache transformers' mask does not isolate documents: sequence parallelism must do as it does)
+    "llama_packed_cache_lm": lambda n=4: LlamaForCausalLM(llama_config(n, use_cache=True)),
     "bert": lambda n=4: BertModel(bert_config(n)),
     "bert_mlm": lambda n=4: BertForMaskedLM(bert_config(n)),
     "bert_cls": lambda n=4: BertForSequenceClassification(bert_config(n)),
 }
 
 
+def packed_batch(batch_size: int, seed: int, length: int = SEQ) -> Dict[str, torch.Tensor]:
+    """Rows of whole documents of 1 to 5 tokens (booster_plugin.packing: position_ids restarting, no mask)."""
+    from booster_plugin.packing import pack_documents
+    g = torch.Generator().manual_seed(seed)
+    docs = ([int(t) for t in torch.randint(1, VOCAB, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)]
+            for _ in iter(int, 1))
+    return next(pack_documents(docs, length, rows_per_batch=batch_size))
+
+
 def make_batch(kind: str, batch_size: int, seed: int) -> Dict[str, torch.Tensor]:
+    if "_packed" in kind:  # e.g. "llama_packed_lm"
+        return packed_batch(batch_size, seed)
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1, VOCAB, (batch_size, SEQ), generator=g)
     attention_mask = torch.ones_like(input_ids)

@@ -121,8 +121,8 @@ def _check_every_colossalai_argument_is_accepted():
         assert len(mine) == 1 and "enable_flash_attention=True" in mine[0] and "results are unaffected" in mine[0]
     else:
         assert mine == []
-    with pytest.raises(NotImplementedError, match="sp_size=2"):
-        HybridParallelPlugin(tp_size=2, pp_size=1, sp_size=2)
+    with pytest.raises(ValueError, match="sp_size=2 splits the sequence over a group of its own: also set"):
+        HybridParallelPlugin(tp_size=2, pp_size=1, sp_size=2)  # as in ColossalAI: sp_size needs SP enabled
     with warnings.catch_warnings(record=True) as caught:  # as in ColossalAI: a mode alone is ignored
         warnings.simplefilter("always")
         assert HybridParallelPlugin(tp_size=2, sequence_parallelism_mode="all_to_all").sp_mode is None

@@ -41,11 +41,13 @@ CONFIG_CASES = [
      "interleaved schedule needs num_microbatches to be a multiple of pp_size"),
     (dict(enable_sequence_parallelism=True), ValueError,
      "enable_sequence_parallelism=True \\(sequence_parallelism_mode='split_gather'\\) splits the sequence over the tp "
-     "group, but tp_size=1"),
-    (dict(tp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="ring"), NotImplementedError,
-     "sequence_parallelism_mode='ring' is not supported; use 'split_gather'"),
-    (dict(sp_size=2), NotImplementedError, "sp_size=2: sequence parallelism over a group of its own is not implemented"),
-    (dict(tp_size=2, sp_size=4, enable_sequence_parallelism=True), NotImplementedError, "use tp_size=4 with"),
+     "group without sp_size, but tp_size=1"),
+    (dict(tp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="ring_cp"), NotImplementedError,
+     "sequence_parallelism_mode='ring_cp' is not supported; use 'split_gather'"),
+    (dict(sp_size=2), ValueError, "sp_size=2 splits the sequence over a group of its own: also set "
+     "enable_sequence_parallelism=True"),
+    (dict(tp_size=2, sp_size=4, enable_sequence_parallelism=True), ValueError,
+     "World size 2 is not divisible by tp_size \\* pp_size \\* sp_size = 2 \\* 1 \\* 4"),
     (dict(ZBV2, scheduler_nodes=[[]]), ValueError, "scheduler_nodes has 1 lists, one per pipeline stage is needed"),
     (dict(ZBV2, scheduler_nodes=[[n for n in rank if n.type != "W"] for rank in NODES_M2]), ValueError,
      "scheduler_nodes do not form a valid zero-bubble schedule: microbatch 0 misses its backward"),

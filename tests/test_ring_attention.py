@@ -1,6 +1,9 @@
 """Ring attention (shardformer/layer/ring_attention.py) on zigzag shards equals single-process attention on the full
-sequence with the document-causal mask: outputs and dQ/dK/dV, fp32 at 1e-5, on 2 ranks (and 4 for one case); a
-tiny Llama whose layers run on zigzag-sharded hidden states with the ring adapter equals the unsharded model."""
+sequence: outputs and dQ/dK/dV, fp32 at 1e-5, on 2 ranks (and 4 for some cases), with the document-causal mask of
+position ids and with a given full mask (bool, or additive with rows without any key). Whole models (Llama, Qwen2 with
+full and sliding layers; sdpa and eager) whose forward builds its own mask on the full sequence while hooks run the
+decoder layers on zigzag shards through the ring adapter (what the plugin's integration does) equal the one-process
+model: logits and parameter gradients, for packed rows with and without a cache, right and left padding."""
 import copy
 from types import SimpleNamespace
 
@@ -10,9 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardformer.layer import ring_attention
-from shardformer.layer.ring_attention import RingAttention
-from shardformer.layer.ring_layout import (BlockKind, BlockMasks, document_ids, documents, gather_zigzag,
-                                           shard_position_ids, shard_zigzag, unshard_zigzag, zigzag_index)
+from shardformer.layer.ring_attention import RingAttention, register_ring_attention
+from shardformer.layer.ring_layout import (BlockKind, BlockMasks, analyse_mask, document_ids, documents,
+                                           gather_zigzag, model_mask, shard_position_ids, shard_zigzag,
+                                           unshard_zigzag, zigzag_index)
 from tests.dist_utils import run_distributed
 
 S = 48  # 2 ranks: 4 chunks of 12; 4 ranks: 8 chunks of 6
@@ -39,9 +43,13 @@ def _reference_mask(position_ids, window=None):
 
 
 def _reference(q, k, v, mask, sinks=None):
-    """Full-sequence attention [b, h, S, d] -> [b, S, h, d]: torch sdpa, or the GPT-OSS formula with sinks."""
+    """Full-sequence attention [b, h, S, d] -> [b, S, h, d]: torch sdpa (bool or -inf mask: rows without any key
+    give 0), eager's formula (an additive mask of the dtype's minimum: such rows are uniform over all keys; sdpa's
+    CPU backward differs from eager there), or the GPT-OSS formula with sinks."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    if mask.is_floating_point() and bool(mask.isfinite().all()):
+        return ((q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + mask).softmax(-1) @ v).transpose(1, 2)
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
     scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~mask, float("-inf"))
@@ -49,14 +57,16 @@ def _reference(q, k, v, mask, sinks=None):
     return (logits.softmax(-1)[..., :-1] @ v).transpose(1, 2)
 
 
-def _check_kernel(position_ids, heads=4, kv_heads=4, window=None, sinks=False, packed=True, tile_rows=None):
+def _check_kernel(position_ids, heads=4, kv_heads=4, window=None, sinks=False, documents="position_ids",
+                  tile_rows=None, mask=None):
     """Every rank builds the same full inputs; ring attention on its zigzag shards must give the reference's output
-    and gradients (gathered and unsharded). `tile_rows`: cut each block into row tiles of that many queries."""
+    and gradients (gathered and unsharded). `tile_rows`: cut each block into row tiles of that many queries. `mask`:
+    a full mask given to the adapter (documents="mask"), instead of the documents of `position_ids`."""
     if tile_rows is not None:
         budget = ring_attention._TILE_BYTES
         ring_attention._TILE_BYTES = {**budget, "cpu": tile_rows * 4 * 2 * kv_heads * S // (2 * dist.get_world_size())}
         try:
-            return _check_kernel(position_ids, heads, kv_heads, window, sinks, packed)
+            return _check_kernel(position_ids, heads, kv_heads, window, sinks, documents, mask=mask)
         finally:
             ring_attention._TILE_BYTES = budget
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -66,14 +76,18 @@ def _check_kernel(position_ids, heads=4, kv_heads=4, window=None, sinks=False, p
     weight = torch.randn(2, S, heads, 8, generator=g)
     for t in (q, k, v) + ((sink,) if sinks else ()):
         t.requires_grad_()
-    expected = _reference(q, k, v, _reference_mask(position_ids if packed else PLAIN, window), sink)
+    if mask is None:
+        mask = _reference_mask(position_ids if documents == "position_ids" else PLAIN, window)
+    else:
+        documents, window = "mask", None
+    expected = _reference(q, k, v, mask, sink)
     (expected * weight).sum().backward()
     local = [shard_zigzag(t.detach(), world, rank, dim=2).requires_grad_() for t in (q, k, v)]
     local_sink = sink.detach().clone().requires_grad_() if sinks else None
     module = SimpleNamespace(is_causal=True)
     extra = {"s_aux": local_sink} if sinks else {}
-    ring = RingAttention(dist.group.WORLD, position_ids, packed=packed)
-    out, _ = ring(module, *local, None, sliding_window=window, **extra)
+    ring = RingAttention(dist.group.WORLD, position_ids, documents=documents)
+    out, _ = ring(module, *local, mask if documents == "mask" else None, sliding_window=window, **extra)
     (out * shard_zigzag(weight, world, rank, dim=1)).sum().backward()
     torch.testing.assert_close(gather_zigzag(out.detach(), None, dim=1), expected.detach(), **TOL)
     for mine, full in zip(local, (q, k, v)):
@@ -83,35 +97,103 @@ def _check_kernel(position_ids, heads=4, kv_heads=4, window=None, sinks=False, p
         torch.testing.assert_close(local_sink.grad, sink.grad, **TOL)
 
 
-def _check_llama():
-    """A tiny LlamaForCausalLM with the ring adapter as its attention: embeddings and rotary tables on the full
-    packed row, layers on the zigzag shard (sharded position ids: the adapter all-gathers them), norm and head on
-    the shard; logits and the summed parameter gradients equal the unsharded sdpa model's."""
-    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+def _padded(lefts=(), rights=()):
+    """sdpa's bool mask [2, 1, S, S] of rows padded on the left (`lefts` pads per row: rows before them have no key)
+    or on the right (`rights`)."""
+    q, k = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    keys = torch.ones(2, S, dtype=torch.bool)
+    for row, n in enumerate(lefts):
+        keys[row, :n] = False
+    for row, n in enumerate(rights):
+        keys[row, S - n:] = False
+    return ((k <= q)[None] & keys[:, None, :])[:, None]
+
+
+def _additive(mask, masked=torch.finfo(torch.float32).min):
+    """eager's additive form of a bool mask (0 attend, the dtype's minimum masked)."""
+    return torch.zeros(mask.shape).masked_fill(~mask, masked)
+
+
+class _Gather(torch.autograd.Function):
+    """Every rank's zigzag part -> the full sequence. Every rank computes the same loss from it, so the gradient of
+    this rank's part is its part of the full gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return gather_zigzag(x, None, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return shard_zigzag(grad, dist.get_world_size(), dist.get_rank(), dim=1)
+
+
+def _shard_layers(model):
+    """What the plugin's integration does: the model's forward runs on the full sequence (embeddings, its own mask,
+    rotary tables) up to the decoder layers; a pre-hook on each layer cuts its hidden states (the first layer's),
+    rotary tables and position ids to this rank's zigzag part (the mask stays full: the ring adapter slices it); a
+    hook on the final norm gathers the sequence back. Returns the hook handles."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+    def cut(layer, args, kwargs):
+        hidden, cos_sin = args[0], kwargs["position_embeddings"]
+        if hidden.shape[1] == cos_sin[0].shape[1]:
+            hidden = shard_zigzag(hidden, world, rank)
+        kwargs["position_embeddings"] = tuple(shard_zigzag(t, world, rank) for t in cos_sin)
+        if kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = shard_position_ids(kwargs["position_ids"], world, rank)
+        return (hidden,) + tuple(args[1:]), kwargs
+
+    handles = [layer.register_forward_pre_hook(cut, with_kwargs=True) for layer in model.model.layers]
+    return handles + [model.model.norm.register_forward_hook(lambda m, args, out: _Gather.apply(out))]
+
+
+def _tiny(arch, impl):
+    """A tiny LlamaForCausalLM, or Qwen2ForCausalLM with a full and a sliding-window layer (window 10 < S)."""
+    import transformers
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common)
+    else:
+        config = transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=10,
+                                          layer_types=["full_attention", "sliding_attention"])
+    config._attn_implementation = impl
     torch.manual_seed(0)
-    reference = LlamaForCausalLM(config)
+    return getattr(transformers, f"{arch.capitalize()}ForCausalLM")(config)
+
+
+CASES = {  # model inputs besides input_ids
+    "packed": dict(position_ids=PACKED, use_cache=False),  # transformers isolates the documents
+    "cache": dict(position_ids=PACKED, use_cache=True),  # a cache: one causal row (sdpa: no mask at all)
+    "right": dict(attention_mask=torch.ones(2, S, dtype=torch.long).index_fill(1, torch.arange(40, S), 0)),
+    "left": dict(attention_mask=(torch.arange(S)[None] >= torch.tensor([[13], [30]])).long()),  # rows without keys
+}
+
+
+def _check_model(impl, case, arch="llama", documents="mask"):
+    """The ring model (registered with `impl`'s mask function) equals the one-process model using `impl`: logits
+    and parameter gradients (summed over ranks where a rank holds part of them)."""
+    reference = _tiny(arch, impl)
     model = copy.deepcopy(reference)
     ids = torch.randint(0, 64, (2, S), generator=torch.Generator().manual_seed(1))
     weight = torch.randn(2, S, 64, generator=torch.Generator().manual_seed(2))
-    logits = reference(input_ids=ids, position_ids=PACKED, use_cache=False).logits  # a cache turns packing off
+    logits = reference(input_ids=ids, **CASES[case]).logits
     (logits * weight).sum().backward()
-    AttentionInterface.register("ring_test", RingAttention(dist.group.WORLD))
-    model.config._attn_implementation = "ring_test"
-    base = model.model
-    hidden = base.embed_tokens(ids)
-    tables = tuple(shard_zigzag(t, world, rank) for t in base.rotary_emb(hidden, PACKED))
-    hidden, positions = shard_zigzag(hidden, world, rank), shard_position_ids(PACKED, world, rank)
-    for layer in base.layers:
-        hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=tables)
-    local_logits = model.lm_head(base.norm(hidden))
-    (local_logits * shard_zigzag(weight, world, rank)).sum().backward()
-    torch.testing.assert_close(gather_zigzag(local_logits.detach(), None), logits.detach(), **TOL)
+    register_ring_attention(f"ring_{impl}", RingAttention(dist.group.WORLD, documents=documents), like=impl)
+    model.config._attn_implementation = f"ring_{impl}"
+    handles = _shard_layers(model)
+    try:
+        ring_logits = model(input_ids=ids, **CASES[case]).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    (ring_logits * weight).sum().backward()
+    where = f"{arch} {impl} {case}"
+    torch.testing.assert_close(ring_logits, logits, **TOL, msg=lambda m: f"{where} logits: {m}")
     for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-        dist.all_reduce(p.grad)
-        torch.testing.assert_close(p.grad, ref.grad, **TOL, msg=lambda m: f"{name}: {m}")
+        if not name.startswith("lm_head"):  # before the gather: this rank's tokens' part
+            dist.all_reduce(p.grad)
+        torch.testing.assert_close(p.grad, ref.grad, **TOL, msg=lambda m: f"{where} {name}: {m}")
 
 
 def _check_refusals():
@@ -129,7 +211,17 @@ def _check_refusals():
     with pytest.raises(NotImplementedError, match="bidirectional"):
         ring(SimpleNamespace(is_causal=False), q, q, q, None)
     with pytest.raises(ValueError, match="neither the full"):
-        ring(module, q, q, q, None, position_ids=torch.arange(5))
+        RingAttention(dist.group.WORLD, documents="position_ids")(module, q, q, q, None, position_ids=torch.arange(5))
+    with pytest.raises(ValueError, match="one of"):
+        RingAttention(dist.group.WORLD, documents="packed")
+    full = 4 * world
+    with pytest.raises(ValueError, match="4-D mask of the full sequence"):
+        ring(module, q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))  # this rank's rows only
+    with pytest.raises(ValueError, match="4-D mask of the full sequence"):
+        ring(module, q, q, q, torch.ones(1, full, dtype=torch.bool))  # a 2-D padding mask
+    alibi = -torch.arange(full, dtype=torch.float32).expand(1, 1, full, full)
+    with pytest.raises(NotImplementedError, match="additive bias"):
+        ring(module, q, q, q, alibi)
 
 
 def _two_ranks():
@@ -140,13 +232,26 @@ def _two_ranks():
     _check_kernel(PACKED, window=20)
     _check_kernel(PACKED, kv_heads=2)
     _check_kernel(PACKED, kv_heads=2, window=9, sinks=True, tile_rows=5)  # tiles of 5, 5, 2 rows per query head
-    _check_kernel(PACKED, packed=False)  # document boundaries ignored: one causal row
-    _check_llama()
+    _check_kernel(PACKED, documents="causal")  # one causal row
+    _check_kernel(PLAIN, kv_heads=2, mask=_reference_mask(PACKED, window=20))  # a mask given: blocks are its slices
+    left = _padded(lefts=(13, 30))  # row 0's chunk 0 and row 1's chunks 0-1 query rows without any key
+    _check_kernel(PLAIN, kv_heads=2, mask=left, tile_rows=5)
+    _check_kernel(PLAIN, kv_heads=2, mask=_additive(left), tile_rows=5)  # eager: those rows uniform over all keys
+    _check_kernel(PLAIN, mask=_additive(left, float("-inf")))  # -inf: those rows 0, as sdpa
+    _check_kernel(PLAIN, mask=_padded(rights=(8, 20)))
+    for impl in ("sdpa", "eager"):
+        for case in CASES:
+            _check_model(impl, case)
+        _check_model(impl, "packed", arch="qwen2")
+        _check_model(impl, "left", arch="qwen2")
+    _check_model("sdpa", "packed", documents="position_ids")  # the documents of position ids: the same here
 
 
 def _four_ranks():
     _check_kernel(PACKED, kv_heads=2, window=13)
-    _check_llama()
+    _check_kernel(PLAIN, kv_heads=2, mask=_additive(_padded(lefts=(13, 30))))
+    _check_model("sdpa", "left", arch="qwen2")
+    _check_model("eager", "packed")
 
 
 def test_ring_attention_two_ranks():
@@ -177,3 +282,17 @@ def test_documents_and_block_skips():
     assert masks.kind(3, 2) is BlockKind.FULL and masks.kind(3, 3) is BlockKind.MASKED
     window = BlockMasks(chunk=12, window=5)
     assert window.kind(1, 0) is BlockKind.MASKED and window.kind(2, 0) is BlockKind.SKIP
+
+
+def test_model_mask_blocks():
+    """Block kinds read off a full mask: causal as `BlockMasks`; left padding skips the blocks of padding keys (bool)
+    but computes every block of the rows without any key when eager's minimum makes them uniform."""
+    causal = _padded()
+    assert analyse_mask(causal, 2) == (None, tuple(tuple(BlockMasks(12).kind(q, k) for k in range(4)) for q in range(4)))
+    assert analyse_mask(_additive(causal), 2) == analyse_mask(causal, 2)
+    left = _padded(lefts=(13, 13))
+    kinds = model_mask(left, 2).kinds  # keys 0-12 padding: chunk 0's keys are never attended
+    assert [kinds[q][0] for q in range(4)] == [BlockKind.SKIP] * 4 and kinds[2][1] is BlockKind.MASKED
+    rows, kinds = analyse_mask(_additive(left), 2)
+    assert rows[:, 0, :, 0].sum(-1).tolist() == [13, 13] and kinds[0] == (BlockKind.MASKED,) * 4
+    assert analyse_mask(_additive(left), 2, uniform=False)[0] is None

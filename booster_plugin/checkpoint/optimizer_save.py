@@ -62,7 +62,7 @@ def _snapshot_files(ctx: CheckpointContext, parts: OptimizerParts, names: FileNa
             error = describe(exc)
 
     def write() -> None:
-        if snapshot is not None and ctx.dp_rank == 0:
+        if snapshot is not None and ctx.writes:
             write_tensor_file(base + ".safetensors", snapshot.entries, iter(snapshot.tensors))
             write_json(base + ".json", snapshot.meta)
 

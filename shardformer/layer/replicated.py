@@ -16,13 +16,15 @@ __all__ = ["sum_grads_over_tp", "sum_grad_over_tp", "keep_own_head", "sum_tail_g
 
 def sum_grad_over_tp(param: Tensor, group: ProcessGroup | None) -> None:
     """Each use's gradient of `param` is summed over the group before it is accumulated (so the per-microbatch sums
-    add up): for a replicated parameter that sees only this rank's part of a split activation. Once per parameter
-    (a second call does nothing); the flag `param._grad_summed_over_tp` tells a parameter re-created later (lazy
-    initialization) to get the hook again."""
-    if getattr(param, "_grad_summed_over_tp", False) or get_tp_world_size(group) == 1 or not param.requires_grad:
+    add up): for a replicated parameter that sees only this rank's part of a split activation. Once per parameter and
+    group (a second call does nothing; a parameter split over tp rows and sequence over sp is summed over each); the
+    groups in `param._grad_summed_over` tell a parameter re-created later (lazy initialization) to get the hooks
+    again."""
+    summed = getattr(param, "_grad_summed_over", ())
+    if any(g is group for g in summed) or get_tp_world_size(group) == 1 or not param.requires_grad:
         return  # (a frozen parameter, e.g. a LoRA base weight, has no gradient to sum)
     param.register_hook(functools.partial(_summed, group=group))
-    param._grad_summed_over_tp = True
+    param._grad_summed_over = (*summed, group)
 
 
 def sum_grads_over_tp(module: nn.Module, group: ProcessGroup | None) -> None:

@@ -1,36 +1,41 @@
-"""Ring attention over a sequence-parallel ProcessGroup: exact causal attention on zigzag-sharded packed rows.
+"""Ring attention over a sequence-parallel ProcessGroup: exact causal attention on zigzag-sharded rows, with the
+model's own mask (packed documents, padding, sliding window: whatever transformers built) or position ids' documents.
 
 Each rank holds its zigzag part (`ring_layout`) of the queries, keys and values. The forward runs sp steps; at step
 t the rank attends its two query chunks to the key/value block of rank (rank - t) mod sp (two chunks) while that
 block is already being passed on to the next rank (one batched isend/irecv per step, overlapped with the block
 products). Partial results merge with a running log-sum-exp, so the output is the softmax over all keys; blocks
-that the causal / document / window mask masks fully are skipped. The backward runs the same ring: the key/value
+the mask masks fully are skipped, blocks it leaves whole run unmasked. The backward runs the same ring: the key/value
 blocks circulate again and their gradient accumulators follow them one step behind (each rank adds its
 contribution to the accumulator it receives and sends it on; after sp steps every accumulator is back at its
 owner). A rank holds at most two key/value blocks and two accumulators (fp32) at a time; nothing is all-gathered
-except the position ids. Each block is computed in row tiles of bounded size (`_TILE_BYTES` of fp32 scores).
+but sharded position ids (documents="position_ids"). Each block is computed in row tiles of bounded size
+(`_TILE_BYTES` of fp32 scores).
 
 GQA: the query heads of one key/value head are grouped and multiplied against that head directly (no repeat).
 Attention sinks (GPT-OSS `s_aux`, one logit per head joining each row's softmax) are supported; the sinks'
 gradient is this rank's part (sum it over the group as for any replicated parameter). Scores and softmax are fp32.
 
-`RingAttention` is a transformers attention function (`AttentionInterface.register(name, RingAttention(group))`).
+`RingAttention` is a transformers attention function; `register_ring_attention(name, RingAttention(group))` registers it
+with sdpa's (or eager's) mask function, so that the ring reads the very mask the one-process model builds.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from .ring_layout import (BlockKind, BlockMasks, Documents, HeadGroups, documents, gather_zigzag, kv_grads, output_grad,
-                          output_layout, pack_kv, query_blocks, query_grad, unpack_kv, zigzag_chunks)
+from .ring_layout import (BlockKind, BlockMasks, HeadGroups, ModelMask, analyse_mask, documents, gather_zigzag,
+                          kv_grads, output_grad, output_layout, pack_kv, query_blocks, query_grad, unpack_kv,
+                          zigzag_chunks)
 
-__all__ = ["RingSpec", "ring_attention", "RingAttention"]
+__all__ = ["RingSpec", "ring_attention", "RingAttention", "register_ring_attention"]
 
 
 class RingSpec(NamedTuple):
@@ -39,7 +44,10 @@ class RingSpec(NamedTuple):
     world: int
     rank: int
     scale: float
-    masks: BlockMasks
+    masks: Union[BlockMasks, ModelMask]
+
+
+Mask = Optional[Tuple[Tensor, Optional[Tensor]]]  # (masked pairs, uniform rows or None) of one tile; None: no mask
 
 
 _TILE_BYTES = {"cpu": 8 << 20, None: 256 << 20}  # fp32 scores per row tile, by device type (None: others)
@@ -51,13 +59,19 @@ def _finite(lse: Tensor) -> Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def _scores(q: Tensor, k: Tensor, masked: Optional[Tensor]) -> Tensor:
-    """fp32 scores [b, hkv, rows, c] of queries already multiplied by the softmax scale; masked pairs are -inf."""
+def _scores(q: Tensor, k: Tensor, mask: Mask) -> Tensor:
+    """fp32 scores [b, hkv, rows, c] of queries already multiplied by the softmax scale; masked pairs are -inf, the
+    other pairs of uniform rows 0 (their softmax is uniform; gradients flow through the scores as in eager)."""
     s = torch.matmul(q, k.transpose(-1, -2)).float()
-    return s if masked is None else s.masked_fill_(masked, float("-inf"))
+    if mask is None:
+        return s
+    masked, uniform = mask
+    if uniform is not None:
+        s.masked_fill_(uniform, 0.0)
+    return s.masked_fill_(masked, float("-inf"))
 
 
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, masked: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, masked: Mask) -> Tuple[Tensor, Tensor]:
     """Softmax attention of query rows over one key chunk: (output normalized over this chunk, fp32; its
     log-sum-exp [b, hkv, rows], -inf for rows without any key here, whose output is 0)."""
     s = _scores(q, k, masked)
@@ -77,10 +91,11 @@ def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> No
 
 
 def _block_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, lse: Tensor, delta: Tensor,
-                    masked: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+                    masked: Mask) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (fp32) of one block for the scaled queries (multiply by the scale for the queries'), keys and
-    values, recomputing its probabilities from the final log-sum-exp `lse`; `delta` = rowsum(grad * final output)."""
-    p = _scores(q, k, masked).sub_(lse.unsqueeze(-1)).exp_()
+    values, recomputing its probabilities from the final log-sum-exp `lse` (-inf for a row without any key, whose
+    probabilities are 0); `delta` = rowsum(grad * final output)."""
+    p = _scores(q, k, masked).sub_(_finite(lse).unsqueeze(-1)).exp_()
     dv = torch.matmul(p.to(grad.dtype).transpose(-1, -2), grad)
     ds = torch.matmul(grad, v.transpose(-1, -2)).float().sub_(delta.unsqueeze(-1)).mul_(p).to(q.dtype)
     return torch.matmul(ds, k).float(), torch.matmul(ds.transpose(-1, -2), q).float(), dv.float()
@@ -114,9 +129,12 @@ def _work(spec: RingSpec, step: int, n: HeadGroups, device: torch.device):
             kind = spec.masks.kind(q_chunk, k_chunk)
             if kind is BlockKind.SKIP:
                 continue
-            masked = spec.masks.masked(q_chunk, k_chunk, device) if kind is BlockKind.MASKED else None
+            mask = None
+            if kind is BlockKind.MASKED:
+                mask = spec.masks.masked(q_chunk, k_chunk, device), spec.masks.uniform(q_chunk, device)
             for rows, positions in tiles:
-                yield qi, ki, rows, None if masked is None else masked[:, :, positions]
+                yield qi, ki, rows, None if mask is None else tuple(
+                    None if m is None else m[:, :, positions] for m in mask)
 
 
 def _ring_forward(q: Tensor, kv: Tensor, spec: RingSpec, n: HeadGroups) -> Tuple[Tensor, Tensor]:
@@ -248,23 +266,41 @@ def _check_shapes(query: Tensor, key: Tensor, value: Tensor, sinks: Optional[Ten
 
 
 # -- transformers adapter --------------------------------------------------------------------------------------------
+_MODES = ("mask", "position_ids", "causal")
+_CACHE_SIZE = 8  # distinct masks / position tensors remembered (a model with full and sliding layers has two)
+
+
 @dataclass
 class RingAttention:
     """A transformers attention function (`module, query, key, value, attention_mask, scaling, dropout,
     sliding_window, **kwargs` -> (output [b, s, h, d], None)) running ring attention over `group` on the layers'
-    zigzag-sharded sequence.
+    zigzag-sharded sequence. Which keys each query sees, by `documents`:
 
-    Documents come from, in this order: `position_ids` if set (the full batch's, [S] or [b, S]: set it per batch);
-    else the `position_ids` keyword the layer passes (full length, or this rank's zigzag part, then all-gathered:
-    a collective); else one document per row. They are computed once per distinct position tensor. The model's
-    `attention_mask` is not read: the mask is causal within documents (and the module's sliding window), so padding
-    must be its own document(s) (its outputs are then ignored through the labels). `packed=False` ignores document
-    boundaries (one causal row: what transformers' own mask does when the model runs with a cache, use_cache=True).
+    - "mask" (the default): the model's own mask, so the ring equals the one-process model whatever transformers
+      decided (packed documents only without a 2-D attention_mask and without a cache, padding, sliding-window layers'
+      masks). `attention_mask` must then be the 4-D mask of the FULL sequence ([b or 1, 1, S, S], S = local length *
+      sp, natural order; bool as sdpa's, or additive 0 / -inf-or-minimum as eager's; `register_ring_attention` has
+      the model build it); each block is its slice. None means a plain causal row (what sdpa's mask function returns
+      then): causal, with `sliding_window` if the layer gives one. Rows without any key give what sdpa gives (0), or
+      with an eager (finite minimum) mask what eager gives (uniform over the row's keys).
+    - "position_ids" (the default when `position_ids` is set): causal within the documents of, in this order,
+      `position_ids` if set (the full batch's, [S] or [b, S]: set it per batch), else the `position_ids` keyword the
+      layer passes (full length, or this rank's zigzag part, then all-gathered: a collective), else one document per
+      row; and the module's sliding window. `attention_mask` is not read (padding must be its own document(s)).
+    - "causal": one causal row (and the sliding window); neither the mask nor position ids are read.
+
+    Masks and documents are analysed once per distinct tensor (remembered by identity while it lives).
     """
     group: Optional[ProcessGroup]
     position_ids: Optional[Tensor] = None
-    packed: bool = True
-    _cache: Tuple[Any, Optional[Documents]] = field(default=(None, None), init=False, repr=False)
+    documents: Optional[str] = None
+    _cache: Dict[Tuple[int, bool], Tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.documents is None:
+            self.documents = "position_ids" if self.position_ids is not None else "mask"
+        if self.documents not in _MODES:
+            raise ValueError(f"RingAttention(documents=...) is one of {_MODES}; got {self.documents!r}.")
 
     def __call__(self, module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
                  scaling: Optional[float] = None, dropout: float = 0.0, sliding_window: Optional[int] = None,
@@ -272,27 +308,73 @@ class RingAttention:
         _check_module(module, dropout, kwargs)
         _check_shapes(query, key, value, kwargs.get("s_aux"))
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        source = self.position_ids if self.position_ids is not None else kwargs.get("position_ids")
-        docs = self._documents(source, query.shape[0], query.shape[2], world)
+        masks = self._masks(attention_mask, sliding_window, query.shape[0], query.shape[2], world, kwargs)
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        masks = BlockMasks(query.shape[2] // 2, sliding_window, docs)
         spec = RingSpec(self.group, world, rank, scale, masks)
         return _RingAttentionFn.apply(query, key, value, kwargs.get("s_aux"), spec), None
 
-    def _documents(self, source: Optional[Tensor], batch: int, local: int, world: int) -> Optional[Documents]:
-        length = local * world
-        if source is None or not self.packed:
-            return None
-        if self._cache[0] is source:
-            return self._cache[1]
+    def _masks(self, attention_mask: Any, window: Optional[int], batch: int, local: int, world: int,
+               kwargs: dict) -> Union[BlockMasks, ModelMask]:
+        chunk = local // 2
+        if self.documents == "causal" or (self.documents == "mask" and attention_mask is None):
+            return BlockMasks(chunk, window)
+        if self.documents == "mask":
+            _check_mask(attention_mask, batch, local * world)
+            uniform = kwargs.get("s_aux") is None
+            rows, kinds = self._cached(attention_mask, uniform, lambda: analyse_mask(attention_mask, world, uniform))
+            return ModelMask(chunk, attention_mask, rows, kinds)
+        source = self.position_ids if self.position_ids is not None else kwargs.get("position_ids")
+        if source is None:
+            return BlockMasks(chunk, window)
         rows = source.shape[0] if source.dim() == 2 else 1
-        if source.dim() > 2 or source.shape[-1] not in (local, length) or rows not in (1, batch):
+        if source.dim() > 2 or source.shape[-1] not in (local, local * world) or rows not in (1, batch):
             raise ValueError(f"ring attention: position_ids {tuple(source.shape)} are neither the full sequence's "
-                             f"[{batch}, {length}] nor this rank's zigzag part [{batch}, {local}].")
-        full = source if source.shape[-1] == length else gather_zigzag(source, self.group, dim=source.dim() - 1)
-        docs = documents(full, world)
-        self._cache = (source, docs)
-        return docs
+                             f"[{batch}, {local * world}] nor this rank's zigzag part [{batch}, {local}].")
+
+        def docs():
+            full = source if source.shape[-1] != local or world == 1 else \
+                gather_zigzag(source, self.group, dim=source.dim() - 1)
+            return documents(full, world)
+        return BlockMasks(chunk, window, self._cached(source, False, docs))
+
+    def _cached(self, tensor: Tensor, flag: bool, make):
+        """make() for `tensor`, computed once while that very tensor lives (weak reference, identity)."""
+        entry = self._cache.get((id(tensor), flag))
+        if entry is not None and entry[0]() is tensor:
+            return entry[1]
+        value = make()
+        for key in [k for k, (ref, _) in self._cache.items() if ref() is None]:
+            del self._cache[key]
+        while len(self._cache) >= _CACHE_SIZE:
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[(id(tensor), flag)] = (weakref.ref(tensor), value)
+        return value
+
+
+def register_ring_attention(name: str, ring: RingAttention, like: str = "sdpa") -> None:
+    """Register `ring` as transformers attention implementation `name` (set `config._attn_implementation = name`)
+    together with the mask function of `like` ("sdpa": bool masks, None for a plain causal row; "eager": additive
+    float masks), so that the model's forward builds for the full sequence the very mask it builds with
+    attn_implementation=like, and the ring equals that one-process model (rows without any key included)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import eager_mask, sdpa_mask
+    masks = {"sdpa": sdpa_mask, "eager": eager_mask}
+    if like not in masks:
+        raise ValueError(f"register_ring_attention(like=...) is 'sdpa' or 'eager'; got {like!r}.")
+    AttentionInterface.register(name, ring)
+    AttentionMaskInterface.register(name, masks[like])
+
+
+def _check_mask(mask: Any, batch: int, length: int) -> None:
+    """Refuse (before any collective) a mask that is not the model's 4-D mask of the full sequence."""
+    shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+    if not isinstance(mask, Tensor) or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, batch) \
+            or tuple(mask.shape[-2:]) != (length, length) or not (mask.dtype == torch.bool or mask.is_floating_point()):
+        raise ValueError(f"ring attention (documents='mask') reads the model's own 4-D mask of the full sequence, "
+                         f"[{batch}, 1, {length}, {length}] bool or additive float in sequence order; got {shape}. Let "
+                         f"the model build it before its layers run, on the full sequence, with sdpa's or eager's mask "
+                         f"function registered under the ring's name (register_ring_attention), or use "
+                         f"RingAttention(documents='position_ids').")
 
 
 def _check_module(module: Any, dropout: float, kwargs: dict) -> None:

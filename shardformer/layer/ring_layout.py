@@ -12,6 +12,15 @@ at 0 with the flattening collator). A query attends to a key iff both are in the
 `BlockMasks` answers, for one (query chunk, key chunk) pair, whether the block is skipped (no pair may attend, in any
 row), computed without a mask (every pair may attend, in every row) or masked, and gives that mask.
 
+The model's own mask: `ModelMask` answers the same questions by reading transformers' 4-D mask of the full sequence
+([b or 1, 1, S, S] in natural order: bool, True = attend, as `sdpa_mask` builds it; or additive float, 0 = attend and
+-inf / the dtype's minimum = masked, as `eager_mask` builds it). Each block is the slice (query chunk rows, key chunk
+columns) of that mask, so whatever transformers decided (documents from position_ids or not, padding, sliding window)
+is what the ring computes. Rows without any key: with a bool or -inf mask the output is 0 and no gradient flows (what
+torch sdpa returns); with a finite minimum (eager) every key's score is that same minimum, so the softmax is uniform
+over the row's keys and gradients flow as through any score: `ModelMask.uniform` marks such rows, whose scores the
+kernel sets to 0 (the same softmax and the same gradients).
+
 Heads: the kernel works on the two local chunks with each key/value head's query heads stacked along the rows
 (`HeadGroups`, `query_blocks`, ...), so grouped-query attention multiplies against the key/value head itself, and
 sends keys and values as one flat buffer (`pack_kv`). Nothing here communicates except `gather_zigzag`.
@@ -28,7 +37,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 __all__ = ["zigzag_chunks", "zigzag_chunk_size", "shard_zigzag", "unshard_zigzag", "zigzag_index", "gather_zigzag",
-           "shard_position_ids", "document_ids", "Documents", "documents", "BlockKind", "BlockMasks", "HeadGroups",
+           "shard_position_ids", "document_ids", "Documents", "documents", "BlockKind", "BlockMasks", "ModelMask",
+           "analyse_mask", "model_mask", "HeadGroups",
            "query_blocks", "query_grad", "output_layout", "output_grad", "pack_kv", "unpack_kv", "kv_grads"]
 
 
@@ -169,6 +179,84 @@ class BlockMasks:
             k_doc = ids[:, k_chunk * c:(k_chunk + 1) * c]
             masked = masked | (q_doc[:, :, None] != k_doc[:, None, :])
         return masked[:, None]
+
+    def uniform(self, q_chunk: int, device: torch.device) -> None:
+        """No row of a causal / document / window mask is without keys (a query always sees itself)."""
+        return None
+
+
+Kinds = Tuple[Tuple[BlockKind, ...], ...]  # [query chunk][key chunk]
+
+
+@dataclass(frozen=True)
+class ModelMask:
+    """Block decisions read off the model's own mask of the full sequence (see the module docstring). Same interface
+    as `BlockMasks`. `rows` and `kinds` come from `analyse_mask` (once per mask; they hold no reference to it)."""
+    chunk: int
+    mask: Tensor  # the model's [b or 1, 1, S, S] mask: bool (True = attend) or additive float
+    rows: Optional[Tensor]  # [b or 1, 1, S, 1] bool, True = uniform row; None when there is none
+    kinds: Kinds
+
+    def kind(self, q_chunk: int, k_chunk: int) -> BlockKind:
+        return self.kinds[q_chunk][k_chunk]
+
+    def masked(self, q_chunk: int, k_chunk: int, device: torch.device) -> Tensor:
+        """True where the query (row) may NOT attend to the key (column): [b or 1, 1, c, c] bool (a uniform row
+        spreads over its finite entries)."""
+        c = self.chunk
+        block = self.mask[:, :, q_chunk * c:(q_chunk + 1) * c, k_chunk * c:(k_chunk + 1) * c].to(device)
+        if block.dtype == torch.bool:
+            return ~block
+        masked = block <= torch.finfo(block.dtype).min / 2
+        rows = self.uniform(q_chunk, device)
+        return masked if rows is None else torch.where(rows, ~torch.isfinite(block), masked)
+
+    def uniform(self, q_chunk: int, device: torch.device) -> Optional[Tensor]:
+        """True for the query chunk's uniform rows ([b or 1, 1, c, 1] bool), or None."""
+        c = self.chunk
+        return None if self.rows is None else self.rows[:, :, q_chunk * c:(q_chunk + 1) * c].to(device)
+
+
+def _additive(mask: Tensor, uniform: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """(allowed, uniform rows or None) of an additive float mask: 0 attends; -inf or at most half the dtype's
+    minimum is masked; anything else is a bias, refused. A row whose keys are all masked but some by a finite value
+    is uniform over those keys (eager adds the minimum to every score: all equal, so the softmax is uniform), unless
+    `uniform` is False (attention sinks take the whole softmax then: the row gives 0, as a masked row)."""
+    masked = mask <= torch.finfo(mask.dtype).min / 2
+    if bool(((mask != 0) & ~masked).any()):
+        raise NotImplementedError("ring attention takes the model's attention mask as a mask: its float mask holds "
+                                  "values other than 0 (attend) and -inf / the dtype's minimum (masked), i.e. an "
+                                  "additive bias (ALiBi, a relative position bias), which it does not compute.")
+    allowed = ~masked
+    if not uniform:
+        return allowed, None
+    finite = torch.isfinite(mask)
+    rows = masked.all(-1, keepdim=True) & finite.any(-1, keepdim=True)
+    if not bool(rows.any()):
+        return allowed, None
+    return torch.where(rows, finite, allowed), rows
+
+
+def analyse_mask(mask: Tensor, world: int, uniform: bool = True) -> Tuple[Optional[Tensor], Kinds]:
+    """(uniform rows or None, block kinds) of transformers' 4-D mask `mask` ([b or 1, 1, S, S], bool or additive
+    float) for 2 * world chunks: one pass over the mask and one device-to-host copy. `uniform=False`: no uniform
+    rows (attention sinks)."""
+    n, c = 2 * world, zigzag_chunk_size(mask.shape[-1], world)
+    allowed, rows = (mask, None) if mask.dtype == torch.bool else _additive(mask, uniform)
+    blocks = allowed.reshape(allowed.shape[0], n, c, n, c)
+    special = torch.zeros(n, dtype=torch.bool, device=mask.device) if rows is None else \
+        rows.reshape(-1, n, c).any(dim=(0, 2))
+    some, every, special = torch.stack([blocks.any(dim=(0, 2, 4)), blocks.all(dim=(0, 2, 4)),
+                                        special[:, None].expand(n, n)]).tolist()
+    kinds = tuple(tuple(BlockKind.SKIP if not some[q][k] else
+                        BlockKind.FULL if every[q][k] and not special[q][k] else BlockKind.MASKED
+                        for k in range(n)) for q in range(n))
+    return rows, kinds
+
+
+def model_mask(mask: Tensor, world: int, uniform: bool = True) -> ModelMask:
+    """The `ModelMask` of `mask` for 2 * world chunks (see `analyse_mask`)."""
+    return ModelMask(zigzag_chunk_size(mask.shape[-1], world), mask, *analyse_mask(mask, world, uniform))
 
 
 # -- heads: transformers' [b, h, 2c, d] <-> the two local chunks with the query heads grouped by key/value head ------

@@ -25,9 +25,10 @@ from .context import CheckpointContext
 from .format import TORCH_SUFFIXES, Entry, from_json, read_json, to_json, write_json, write_tensor_file
 from .io import HybridParallelCheckpointIO
 from .jobs import agree, describe, listed
-from .model import FILE_SUFFIXES, SAFE_WEIGHTS_NAME
+from .model import FILE_SUFFIXES
 from .model_load import locate
-from .model_save import save_config
+from .gather import TensorPlan
+from .model_save import file_plan, save_config, write_index
 from .reads import TensorReads, guarded_read
 from .save import LocalPhase, collective_save
 
@@ -65,28 +66,32 @@ class TorchDDPCheckpointIO(HybridParallelCheckpointIO):
                    use_async: bool = False) -> None:
         """Rank 0 writes the model's state dict (tied targets left out): a `.safetensors` (or `.pt`/`.bin`) path is
         one file, any other path an HF directory (`model.safetensors`, `config.json`). `use_async=True` returns once
-        the tensors are copied. shard=True is refused (one file per model here)."""
+        the tensors are copied. shard=True writes a directory (whatever the path's suffix, as ColossalAI) of
+        safetensors files of at most `size_per_shard` MB and `model.safetensors.index.json`."""
         self.synchronize()
         module = ddp_module(model)
-        if shard:
-            raise NotImplementedError("save_model(shard=True) is not supported with TorchDDPPlugin: it writes one "
-                                      "model.safetensors (pass shard=False), or use LowLevelZeroPlugin / "
-                                      "HybridParallelPlugin for sharded files.")
         path = os.fspath(checkpoint)
-        single = path.endswith(FILE_SUFFIXES)
-        file_name = f"{prefix}-{SAFE_WEIGHTS_NAME}" if prefix else SAFE_WEIGHTS_NAME
+        single = path.endswith(FILE_SUFFIXES) and not shard
+        base = f"{prefix}-" if prefix else ""
         collective_save(self.context, f"save_model({checkpoint!r})", path,
-                        lambda tmp: self._snapshot(module, tmp, path, None if single else file_name),
+                        lambda tmp: self._snapshot(module, tmp, path, None if single else (base, shard,
+                                                                                          size_per_shard)),
                         single_file=single, use_async=use_async)
 
-    def _snapshot(self, module: nn.Module, tmp: str, path: str, file_name: Optional[str]) -> LocalPhase:
-        """Rank 0: copies of the tensors (training may go on during an asynchronous save) and the commit."""
+    def _snapshot(self, module: nn.Module, tmp: str, path: str,
+                  files: Optional[Tuple[str, bool, float]]) -> LocalPhase:
+        """Rank 0: copies of the tensors (training may go on during an asynchronous save) and the commit; `files`:
+        (name prefix, sharded, MB per file) of a directory, None for one file."""
         if self.context.rank != 0:
             return LocalPhase(commit=_no_commit)
         tied = _tied_targets(module)
         state = {k: t.detach().to("cpu", copy=True) for k, t in module.state_dict().items() if k not in tied}
         entries = [Entry(k, tuple(t.shape), t.dtype) for k, t in state.items()]
-        return LocalPhase(functools.partial(_commit, module, state, entries, tmp, path, file_name))
+        layout = None
+        if files is not None:
+            base, shard, size = files
+            layout = file_plan(TensorPlan(entries, {e.name: 0 for e in entries}), shard, size, base)
+        return LocalPhase(functools.partial(_commit, module, state, entries, tmp, path, layout, files))
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True, low_cpu_mem_mode: bool = True,
                    num_threads: int = 1, *, verify_checksums: bool = True) -> None:
@@ -160,13 +165,17 @@ def _no_commit() -> None:
 
 
 def _commit(module: nn.Module, state: Dict[str, torch.Tensor], entries: List[Entry], tmp: str, path: str,
-            file_name: Optional[str]) -> None:
-    """Rank 0: the tensors (and config) into the temporary path, then swapped into place."""
-    if file_name is None:
+            layout: Optional[List[Tuple[str, List[Entry]]]], files: Optional[Tuple[str, bool, float]]) -> None:
+    """Rank 0: the tensors (and config, and with several files their index) into the temporary path, then swapped
+    into place."""
+    if layout is None:
         write_tensor_file(tmp, entries, iter(state.values()), path.endswith(TORCH_SUFFIXES))
         replace_file(tmp, path)
         return
-    write_tensor_file(os.path.join(tmp, file_name), entries, iter(state.values()))
+    for file_name, file_entries in layout:
+        write_tensor_file(os.path.join(tmp, file_name), file_entries, (state[e.name] for e in file_entries))
+    if files[1]:  # sharded: the index
+        write_index(tmp, files[0], layout, lambda name: name)
     save_config(module, tmp, entries)
     swap_into_place(path)
 

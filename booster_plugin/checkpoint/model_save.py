@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -51,13 +51,13 @@ def save_model(ctx: CheckpointContext, module: HybridParallelModule, checkpoint:
     torch_format = single and checkpoint.endswith(TORCH_SUFFIXES)
     plan = model_plan(ctx, module)
     base = f"{prefix}-" if prefix else ""
-    save = ModelSave(checkpoint, plan, _file_plan(plan, shard, size_per_shard, base), shard, single, torch_format,
+    save = ModelSave(checkpoint, plan, file_plan(plan, shard, size_per_shard, base), shard, single, torch_format,
                      base, use_async)
     collective_save(ctx, f"save_model({checkpoint!r})", checkpoint, lambda tmp: _gather_files(ctx, module, save, tmp),
                     single_file=single, use_async=use_async)
 
 
-def _file_plan(plan: TensorPlan, shard: bool, size_per_shard: float, base: str) -> List[Tuple[str, List[Entry]]]:
+def file_plan(plan: TensorPlan, shard: bool, size_per_shard: float, base: str) -> List[Tuple[str, List[Entry]]]:
     """[(file name, its entries)]; a sharded file holds one stage's tensors only (one writer per file)."""
     if not shard:
         return [(base + SAFE_WEIGHTS_NAME, plan.entries)]
@@ -117,16 +117,22 @@ def _commit(module: HybridParallelModule, save: ModelSave, tmp: str) -> None:
         replace_file(tmp, save.checkpoint)
         return
     if save.shard:
-        checksums: Dict[str, str] = {}
-        for file_name, _ in save.files:
-            checksums.update(file_checksums(os.path.join(tmp, file_name)))
-        keyed_as = key_of(module)
-        write_json(os.path.join(tmp, save.prefix + SAFE_WEIGHTS_INDEX_NAME), {
-            "metadata": {"total_size": sum(e.nbytes for e in save.plan.entries)},
-            "weight_map": {keyed_as(e.name): name for name, fe in save.files for e in fe},
-            "checksums": {"algorithm": CHECKSUM_KEY, "tensors": checksums}})
+        write_index(tmp, save.prefix, save.files, key_of(module))
     save_config(module.unwrap(), tmp, save.plan.entries)
     swap_into_place(save.checkpoint)
+
+
+def write_index(directory: str, prefix: str, files: Sequence[Tuple[str, List[Entry]]],
+                keyed_as: Callable[[str], str]) -> None:
+    """`model.safetensors.index.json` of the written `files` [(file name, its entries)]: weight map, total size and
+    each tensor's CRC32 (read back from the files)."""
+    checksums: Dict[str, str] = {}
+    for file_name, _ in files:
+        checksums.update(file_checksums(os.path.join(directory, file_name)))
+    write_json(os.path.join(directory, prefix + SAFE_WEIGHTS_INDEX_NAME), {
+        "metadata": {"total_size": sum(e.nbytes for _, entries in files for e in entries)},
+        "weight_map": {keyed_as(e.name): name for name, entries in files for e in entries},
+        "checksums": {"algorithm": CHECKSUM_KEY, "tensors": checksums}})
 
 
 def save_config(unwrapped: nn.Module, directory: str, entries: Sequence[Entry]) -> None:

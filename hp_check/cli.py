@@ -11,15 +11,20 @@ import argparse
 import os
 from typing import Optional
 
-from .launch import spawn
+from .launch import LaunchFailed, run_standalone
 from .tiny import model_class, tiny_config
 
 
 def build_model(target: str):
-    """A model from a class name / module:Class (tiny config) or a directory holding a config.json."""
+    """A model from a class name / module:Class (tiny config) or a directory holding a config.json: the class its
+    `architectures` names (a classifier, a VLM, ...), else a causal LM, else the base model."""
     if os.path.isdir(target):
         import transformers
         config = transformers.AutoConfig.from_pretrained(target)
+        for name in getattr(config, "architectures", None) or []:
+            cls = getattr(transformers, name, None)
+            if cls is not None:
+                return cls._from_config(config)
         for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
             try:
                 return auto.from_config(config)
@@ -33,7 +38,13 @@ def build_model(target: str):
 def _run(target: str, tp: int, pp: int, policy_path: Optional[str]):
     from .compare import compare
     policy = model_class(policy_path)() if policy_path else None
-    return tuple(compare(lambda: build_model(target), tp, pp, policy))
+    return tuple(compare(lambda: build_model(target), tp, pp, policy, progress=_progress))
+
+
+def _progress(what: str) -> None:
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        print(f"[hp_check] {what}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -44,13 +55,17 @@ def main(argv=None) -> int:
     parser.add_argument("--policy", help="module:Class of a shardformer.Policy to check instead of the built-in one")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck run is ended")
     args = parser.parse_args(argv)
-    reports = spawn(args.tp * args.pp, _run, args.model, args.tp, args.pp, args.policy, timeout_s=args.timeout)
-    errors = [r for r in reports if r[1] == "error"]
-    if errors or len(reports) < args.tp * args.pp:  # not a mismatch: nothing was compared
-        missing = sorted(set(range(args.tp * args.pp)) - {r[0] for r in reports})
-        why = f"rank {errors[0][0]}: {errors[0][2]}" if errors else f"rank(s) {missing} crashed, hung or did not start"
-        print(f"ERROR {args.model} tp={args.tp} pp={args.pp}: the check could not run ({why}); nothing was "
+    print(f"[hp_check] {args.model}: launching {args.tp * args.pp} ranks (tp={args.tp}, pp={args.pp})", flush=True)
+    try:
+        reports = run_standalone(args.tp * args.pp, _run, args.model, args.tp, args.pp, args.policy, timeout_s=args.timeout)
+    except LaunchFailed as failed:  # not a mismatch: nothing was compared
+        print(f"ERROR {args.model} tp={args.tp} pp={args.pp}: the check could not run ({failed}); nothing was "
               f"compared (exit status 4)")
+        return 4
+    errors = [r for r in reports if r[1] == "error"]
+    if errors:
+        print(f"ERROR {args.model} tp={args.tp} pp={args.pp}: the check could not run (rank {errors[0][0]}: "
+              f"{errors[0][2]}); nothing was compared (exit status 4)")
         return 4
     result, detail, _ = reports[0][2]
     print(f"{result.upper()} {args.model} tp={args.tp} pp={args.pp}" + (f": {detail}" if detail else ""))

@@ -25,14 +25,27 @@ class Verdict(NamedTuple):
     max_loss_error: Optional[float] = None
 
 
-def batch(size: int, seed: int) -> dict:
-    """Token ids, a right-padded sample and causal-LM labels (padding ignored)."""
+def batch(size: int, seed: int, model: Optional[nn.Module] = None) -> dict:
+    """Token ids, a right-padded sample and labels for the model's head (by its class name: causal / masked LM
+    token labels with padding ignored, a class per sequence or per token, answer spans; none for a base model)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (size, SEQ), generator=g)
     mask = torch.ones_like(ids)
     mask[0, -3:] = 0
     ids[0, -3:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    data = {"input_ids": ids, "attention_mask": mask}
+    head = type(model).__name__ if model is not None else "ForCausalLM"
+    labels = getattr(getattr(model, "config", None), "num_labels", 2)
+    if head.endswith("ForSequenceClassification"):
+        data["labels"] = torch.randint(0, labels, (size,), generator=g)
+    elif head.endswith("ForTokenClassification"):
+        data["labels"] = torch.randint(0, labels, (size, SEQ), generator=g).masked_fill(mask == 0, -100)
+    elif head.endswith("ForQuestionAnswering"):
+        data["start_positions"] = torch.randint(0, SEQ - 3, (size,), generator=g)
+        data["end_positions"] = torch.randint(0, SEQ - 3, (size,), generator=g)
+    elif head.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")):
+        data["labels"] = ids.masked_fill(mask == 0, -100)
+    return data
 
 
 def criterion(outputs, micro_batch) -> torch.Tensor:
@@ -42,9 +55,12 @@ def criterion(outputs, micro_batch) -> torch.Tensor:
     return outputs.last_hidden_state.float().sin().mean()
 
 
-def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: float = 1e-5) -> Verdict:
-    """One step of the sharded model (tp, pp, dp = world / (tp * pp)) against the unsharded one."""
+def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: float = 1e-5,
+            progress: Callable[[str], None] = lambda _: None) -> Verdict:
+    """One step of the sharded model (tp, pp, dp = world / (tp * pp)) against the unsharded one; `progress(what)` is
+    told each phase."""
     torch.manual_seed(0)
+    progress("building the model")
     reference = build().float()
     model = copy.deepcopy(reference)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
@@ -52,8 +68,9 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
     world = dist.get_world_size()
     dp = world // (tp * pp)
     local_size = MICROBATCH * max(pp, 2)
-    data = batch(local_size * dp, seed=1)
+    data = batch(local_size * dp, seed=1, model=reference)
     reference.train()
+    progress("unsharded step")
     try:  # the unsharded step first: a model that fails on its own fails on every rank, before any collective
         ref_losses = []
         for r in range(dp):  # the step's loss: mean over microbatches and replicas
@@ -64,6 +81,7 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
     except Exception as error:  # noqa: BLE001
         return Verdict("untested", f"the unsharded model fails: {type(error).__name__}: {str(error).splitlines()[0]}")
     plugin = HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=max(pp, 2), custom_policy=policy)
+    progress("sharding (boost)")
     try:
         model, opt, *_ = Booster(plugin=plugin).boost(model, opt, criterion)
     except (NotImplementedError, ValueError) as refused:  # raised on every rank before any collective
@@ -74,9 +92,11 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
                                       (plugin.dp_rank + 1) * (len(ref_losses) // dp)]).mean()
     ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False)
                  if p.grad is not None}
+    progress("sharded step")
     loss = plugin.execute_pipeline(iter([local]), model, criterion, opt, return_loss=True)["loss"]
     opt.step()
     ref_opt.step()
+    progress("comparing loss, gradients, parameters")
     mismatches = []  # (0 loss/gradient, 1 parameter after the step; model order; message)
     got, want_loss = loss.detach().float().item(), ref_loss.detach().item()
     loss_error = abs(got - want_loss)

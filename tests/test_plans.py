@@ -86,18 +86,28 @@ def test_checker_cli_names_the_wrong_gradient(capsys):
 
 
 def test_checker_cli_tells_a_launch_failure_from_a_mismatch(capsys, monkeypatch):
-    """A rank that crashed, hung or never started (e.g. its port was taken) is exit status 4 and ERROR, not FAIL
-    (1, a real mismatch)."""
+    """A rank that crashed, hung or never started is exit status 4 and ERROR, not FAIL (1, a real mismatch)."""
     import hp_check.cli as cli
-    monkeypatch.setattr(cli, "spawn", lambda *a, **k: [(0, "error", "RuntimeError: The server socket has failed to "
-                                                                      "listen on any local network address")])
+    from hp_check.launch import LaunchFailed
+
+    def crashed(*args, **kwargs):
+        raise LaunchFailed("rank 1 exited with -9 (no message)")
+    monkeypatch.setattr(cli, "run_standalone", crashed)
     assert check_main(["Qwen3ForCausalLM", "--tp", "2", "--pp", "1"]) == 4
     out = capsys.readouterr().out
-    assert out.startswith("ERROR Qwen3ForCausalLM tp=2 pp=1: the check could not run (rank 0: RuntimeError: The "
-                          "server socket"), out
-    monkeypatch.setattr(cli, "spawn", lambda *a, **k: [])
+    assert "ERROR Qwen3ForCausalLM tp=2 pp=1: the check could not run (rank 1 exited with -9" in out, out
+    monkeypatch.setattr(cli, "run_standalone", lambda *a, **k: [(0, "error", "RuntimeError: socket"), (1, "ok", None)])
     assert check_main(["Qwen3ForCausalLM", "--tp", "2", "--pp", "1"]) == 4
-    assert "rank(s) [0, 1] crashed, hung or did not start" in capsys.readouterr().out
+    assert "could not run (rank 0: RuntimeError: socket)" in capsys.readouterr().out
+
+
+def test_checker_on_a_saved_classifier_directory(tmp_path, capfd):
+    """A model directory: the class its config.json names (a sequence classifier, with labels of its kind), progress
+    printed, ranks launched by torchrun's standalone rendezvous."""
+    transformers.LlamaForSequenceClassification(tiny_config(transformers.LlamaConfig)).save_pretrained(tmp_path)
+    assert check_main([str(tmp_path), "--tp", "2", "--pp", "1"]) == 0
+    out = capfd.readouterr().out  # (the ranks' progress lines come from their processes)
+    assert "[hp_check] sharded step" in out and f"PASS {tmp_path} tp=2 pp=1" in out, out
 
 
 def test_refusals_name_module_and_style():

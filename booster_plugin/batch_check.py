@@ -49,6 +49,7 @@ class BatchLimits(NamedTuple):
     label_vocab: Optional[int]
     ignore_index: int = -100
     sequence_multiple: int = 1
+    ragged: Optional[Callable] = None  # inputs indexing images, not samples (shardformer/multimodal_batch.py)
 
 
 class _Description(NamedTuple):

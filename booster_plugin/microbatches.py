@@ -11,18 +11,23 @@ import torch.distributed as dist
 
 from pipeline.step import LossWeights
 from pipeline.styles import ScheduleStyle
+from shardformer.multimodal_batch import RaggedRows, take_samples
 
 __all__ = ["MicrobatchSplit", "default_num_microbatches", "split_batch", "token_weighted_scales",
            "without_empty_microbatches"]
 
 
-def split_batch(batch: Mapping[str, Any], num_microbatches: Optional[int], microbatch_size: Optional[int]
-                ) -> List[Dict[str, Any]]:
-    """Split every tensor of a batch dict along dim 0; non-tensor values are given to every microbatch."""
+def split_batch(batch: Mapping[str, Any], num_microbatches: Optional[int], microbatch_size: Optional[int],
+                ragged: Optional[RaggedRows] = None) -> List[Dict[str, Any]]:
+    """Split every tensor of a batch dict along dim 0; non-tensor values are given to every microbatch. `ragged`:
+    the model's inputs whose dim 0 counts images or patches (shardformer/multimodal_batch.py), split with the
+    samples they belong to."""
     if not isinstance(batch, Mapping):
         raise TypeError(f"A pipeline batch must be a dict of tensors (e.g. input_ids, attention_mask, labels), "
                         f"got {type(batch).__name__}.")
-    sizes = {k: v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    special = ragged(batch) if ragged is not None else {}
+    sizes = {k: v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+             and k not in special}
     if not sizes:
         raise ValueError("The batch has no tensor to split into microbatches.")
     batch_size = next(iter(sizes.values()))
@@ -36,17 +41,18 @@ def split_batch(batch: Mapping[str, Any], num_microbatches: Optional[int], micro
         raise ValueError(f"Batch size {batch_size} is not divisible into num_microbatches={num_microbatches}; "
                          f"use a batch size that is a multiple of {num_microbatches}.")
     size = batch_size // num_microbatches
-    return [{k: v[i * size:(i + 1) * size] if k in sizes else v for k, v in batch.items()}
-            for i in range(num_microbatches)]
+    return [take_samples(batch, i * size, (i + 1) * size, ragged) for i in range(num_microbatches)]
 
 
-def default_num_microbatches(batch: Any, pp_size: int, style: ScheduleStyle) -> int:
+def default_num_microbatches(batch: Any, pp_size: int, style: ScheduleStyle, ragged: Optional[RaggedRows] = None
+                             ) -> int:
     """Microbatches of a step when none were configured: the largest divisor of the batch size in [pp, 4 * pp]
     (1F1B needs at least pp; more shrinks the bubble (p-1)/(m+p-1), at the cost of smaller microbatches); a
     multiple of pp for the interleaved schedule, at least 2 * pp for dualpipev."""
     least = style.min_microbatches(pp_size)
-    sizes = [v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0] \
-        if isinstance(batch, Mapping) else []
+    special = ragged(batch) if ragged is not None and isinstance(batch, Mapping) else {}
+    sizes = [v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+             and k not in special] if isinstance(batch, Mapping) else []
     if not sizes:
         return pp_size  # split_batch explains what is wrong with the batch
     size = sizes[0]
@@ -66,12 +72,13 @@ class MicrobatchSplit(NamedTuple):
     style: ScheduleStyle
     pp_size: int
 
-    def split(self, batch: Any) -> List[Dict[str, Any]]:
-        """The microbatches of `batch` (raises TypeError or ValueError on a batch that does not split)."""
+    def split(self, batch: Any, ragged: Optional[RaggedRows] = None) -> List[Dict[str, Any]]:
+        """The microbatches of `batch` (raises TypeError or ValueError on a batch that does not split); `ragged`:
+        as split_batch's."""
         count = self.num_microbatches
         if count is None and self.microbatch_size is None:
-            count = default_num_microbatches(batch, self.pp_size, self.style)
-        return split_batch(batch, count, self.microbatch_size)
+            count = default_num_microbatches(batch, self.pp_size, self.style, ragged)
+        return split_batch(batch, count, self.microbatch_size, ragged)
 
 
 def without_empty_microbatches(criterion: Callable, count: Callable[[Dict[str, Any]], Any]) -> Callable:

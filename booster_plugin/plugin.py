@@ -294,7 +294,7 @@ class HybridParallelPlugin(HybridPluginBase):
         with self.failure_guard.step("execute_pipeline"), batch_agreed(), running_step(self._stage_manager), \
                 torch.set_grad_enabled(trains):
             if microbatches is None:
-                microbatches = self.microbatching.split(batch)
+                microbatches = self.microbatching.split(batch, model.batch_limits.ragged)
             weights = self._loss_weights(microbatches) if self._loss_weights is not None else None
             options = StepOptions(return_loss, return_outputs, weights,
                                   optimizer.backward if optimizer is not None else None, grad_sync=model)
@@ -331,7 +331,7 @@ class HybridParallelPlugin(HybridPluginBase):
         batch or labels the model cannot take); planned for."""
         check_batch_content(batch, limits)
         try:
-            microbatches = self.microbatching.split(batch)
+            microbatches = self.microbatching.split(batch, limits.ragged)
         except ValueError as error:  # e.g. the short last batch of an epoch
             raise ValueError(f"{error} If this is the last batch of an epoch (a dataset size that is not a multiple "
                              f"of the batch size), drop it: prepare_dataloader(..., drop_last=True), the default "

@@ -23,6 +23,7 @@ from pipeline.styles import ScheduleStyle
 from pipeline.trace import ScheduleTracer
 from shardformer.layer.dropout import TPRNGTracker
 from shardformer.layer.split_weight_grads import prepare_split_backward
+from shardformer.multimodal_batch import image_rows
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.sharder import ShardConfig, Sharder
 
@@ -74,7 +75,8 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
     # the unsharded layout (names, shapes, dtypes), for checkpoints in HF format; what batches the model accepts
     info = ModelInfo(policy, {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)},
                      BatchLimits(vocab_of(model), label_vocab_of(model),
-                                 sequence_multiple=_sequence_multiple(opts.sharding, ctx)), lora)
+                                 sequence_multiple=_sequence_multiple(opts.sharding, ctx),
+                                 ragged=image_rows(model.config) if hasattr(model, "config") else None), lora)
     sharder, shared_names = _shard(model, policy, opts, ctx, stage_manager)
     info = replace(info, expert_params=frozenset(sharder.expert_params))
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -3,6 +3,7 @@ parallel layer, or hook it in place — and the split of raw parameters (SplitPa
 a style replaces is sharded with its adapters (lora_sharding.py)."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Type
 
@@ -75,8 +76,19 @@ def _vocab_embedding(module: nn.Module, style: VocabEmbedding, ctx: TPContext) -
     return VocabParallelEmbedding.from_native_module(module, ctx.group, make_vocab_size_divisible_by=ctx.vocab_multiple)
 
 
+def _computes_causal_lm_loss(model: nn.Module) -> bool:
+    """Whether the model's forward takes its loss from `self.loss_function` with causal-LM semantics (the only loss
+    the vocab-parallel cross-entropy stands in for); a head computing its own (GPT-2's double heads, BERT's
+    pre-training) or another loss type (a masked LM's) needs the full logits."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    forward = inspect.unwrap(type(model).forward)
+    loss = LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM")
+    code = getattr(forward, "__code__", None)
+    return code is not None and "loss_function" in code.co_names and loss is ForCausalLMLoss
+
+
 def _vocab_head(module: nn.Module, style: VocabHead, ctx: TPContext) -> nn.Module:
-    gather = style.gather_output or not ctx.parallel_output
+    gather = style.gather_output or not ctx.parallel_output or not _computes_causal_lm_loss(ctx.model)
     padded = padded_size(module.out_features, ctx.tp_size, ctx.vocab_multiple)
     head = vocab_parallel_lm_head(module, ctx.group, gather_output=gather, padded_vocab=padded)
     if not gather:  # the model's own loss must then be the vocab-parallel cross-entropy

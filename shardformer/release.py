@@ -40,8 +40,15 @@ def release_unheld(model: nn.Module, policy: Policy, sm: PipelineStageManager) -
     replace_submodule(model, policy.base_prefix + policy.layers, held)
     if sm.layout.num_stages == 1:
         return None
-    chunks = _chunk_views(policy, layers, stages, ranges, stand_ins, last)
-    return StageForward(model, chunks, held)
+    loop = _loop_owner(policy)
+    chunks = _chunk_views(policy, layers, stages, ranges, stand_ins, last, loop.config)
+    return StageForward(model, chunks, held, policy.first_stage_inputs, loop)
+
+
+def _loop_owner(policy: Policy) -> nn.Module:
+    """The module whose forward loops over the layer list (the base model, or e.g. a vision-language model's
+    language model): its config is the one a chunk's view replaces."""
+    return policy.model.get_submodule((policy.base_prefix + policy.layers).rpartition(".")[0])
 
 
 def _stand_ins(policy: Policy) -> Dict[str, nn.Module]:
@@ -52,7 +59,7 @@ def _stand_ins(policy: Policy) -> Dict[str, nn.Module]:
         parent, name = get_submodule_parent(base, path)
         if getattr(parent, name, None) is None:  # optional module this model does not have
             continue
-        stand_ins[prefix + path] = stand_in_for(kind, base.get_submodule(path))
+        stand_ins[prefix + path] = stand_in_for(kind, base.get_submodule(path), prefix + path)
     return stand_ins
 
 
@@ -67,9 +74,8 @@ def _release_exit(model: nn.Module, policy: Policy) -> None:
 
 
 def _chunk_views(policy: Policy, layers: nn.ModuleList, stages: Sequence[int], ranges: List[Tuple[int, int]],
-                 stand_ins: Dict[str, nn.Module], last: int) -> List[ChunkView]:
-    """How the model looks while each of this rank's chunks runs."""
-    config = policy.model.base_model.config
+                 stand_ins: Dict[str, nn.Module], last: int, config) -> List[ChunkView]:
+    """How the model looks while each of this rank's chunks runs (`config`: that of the layers' loop)."""
     chunks = []
     for stage, (start, end) in zip(stages, ranges):
         overrides = policy.stage_config_overrides(start, end)

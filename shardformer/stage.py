@@ -16,6 +16,9 @@ which submodules exist.
   one.
 - Router logits of mixture-of-experts models travel with the hidden states (key `pipeline_router_logits`), so the
   last stage's load-balancing loss sees every layer's, as one process's does (router_logits.py).
+- Inputs only the first virtual stage uses (a vision encoder's `pixel_values`: the policy's `first_stage_inputs`)
+  are not passed to the others, whose encoder is released (`RELEASED`); every other input reaches every stage, so
+  what the model computes from them (masks, M-RoPE positions from `image_grid_thw`) is computed alike on each.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from torch import nn
 from .router_logits import ROUTER_LOGITS, prepend_router_logits, recorded_router_logits
 
 INPUT, ZEROS, IDENTITY = "input", "zeros", "identity"
+RELEASED = "released"  # entry kind: never called off the first stage (its inputs are not passed there)
 CHUNK_ARGUMENT = "pipeline_chunk"  # the keyword of a stage call that names the chunk to run
 
 
@@ -143,8 +147,11 @@ class StageForward:
         layers: the held layer list.
     """
 
-    def __init__(self, model: nn.Module, chunks: Sequence[ChunkView], layers: HeldLayers) -> None:
+    def __init__(self, model: nn.Module, chunks: Sequence[ChunkView], layers: HeldLayers,
+                 first_stage_inputs: Sequence[str] = (), loop: Optional[nn.Module] = None) -> None:
         self.model, self.chunks, self.layers = model, list(chunks), layers
+        self.first_stage_inputs = tuple(first_stage_inputs)
+        self.loop = loop if loop is not None else model.base_model  # whose config a chunk's view replaces
         self._armed: Optional[nn.Module] = None
         self._value: Optional[torch.Tensor] = None
         self._router_logits: Optional[Sequence[torch.Tensor]] = None  # received with `_value`
@@ -176,13 +183,15 @@ class StageForward:
         view = self.chunks[pipeline_chunk]
         router_logits = kwargs.pop(ROUTER_LOGITS, None)  # earlier stages' (router_logits.py)
         if view.entry_layer is not None:
+            for key in self.first_stage_inputs:
+                kwargs.pop(key, None)
             if hidden_states is None:
                 raise ValueError("This pipeline stage needs the previous stage's `hidden_states`.")
             self._value, self._router_logits = hidden_states, router_logits
         restore = {path: self.model.get_submodule(path) for path in view.modules}
         for path, module in view.modules.items():
             replace_submodule(self.model, path, module)
-        base = self.model.base_model
+        base = self.loop
         config = base.config
         if view.config is not None:
             base.config = view.config
@@ -211,8 +220,10 @@ def replace_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
     setattr(parent, name, new)
 
 
-def stand_in_for(kind: str, original: nn.Module) -> nn.Module:
+def stand_in_for(kind: str, original: nn.Module, path: str = "") -> nn.Module:
     if kind == IDENTITY:
         return nn.Identity()
+    if kind == RELEASED:
+        return Released(path)
     hidden, dtype = _hidden_size(original)
     return ZeroEmbedding(hidden, dtype)  # INPUT and ZEROS: the received hidden states enter at the first layer

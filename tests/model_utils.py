@@ -13,6 +13,7 @@ from transformers import (OPTConfig, OPTForCausalLM, BertConfig, BertForMaskedLM
 
 from booster_plugin import Booster, HybridParallelPlugin
 from shardformer.layer.spec import gather_tensor, get_tp_spec
+from shardformer.multimodal_batch import take_samples
 
 VOCAB, SEQ = 100, 8  # a vocabulary no tp size divides, to exercise padding
 
@@ -67,7 +68,25 @@ def packed_batch(batch_size: int, seed: int, length: int = SEQ) -> Dict[str, tor
     return next(pack_documents(docs, length, rows_per_batch=batch_size))
 
 
+# kind -> (batch_size, seed) -> batch, for kinds whose inputs or labels the suffix rules below do not make
+# (registered by test modules beside their MODELS entries, e.g. question answering's start/end positions)
+BATCHES: Dict[str, Callable[[int, int], Dict[str, torch.Tensor]]] = {}
+# kind -> criterion(outputs, batch) of both the reference and the boosted model, for kinds whose loss is not the
+# model's `loss` alone (e.g. GPT-2's double heads: its LM loss plus its multiple-choice loss); default `criterion`
+CRITERIA: Dict[str, Callable[[Any, Dict[str, Any]], torch.Tensor]] = {}
+# kind -> which of its batches' inputs index images, not samples (shardformer.multimodal_batch.image_rows: a
+# vision-language model's pixel values), for kinds whose batches carry them; slices of a batch go by `samples`
+RAGGED: Dict[str, Callable] = {}
+
+
+def samples(kind: Optional[str], batch: Dict[str, Any], start: int, end: int) -> Dict[str, Any]:
+    """Samples [start, end) of a batch of `kind` (images with the samples they belong to)."""
+    return take_samples(batch, start, end, RAGGED.get(kind))
+
+
 def make_batch(kind: str, batch_size: int, seed: int) -> Dict[str, torch.Tensor]:
+    if kind in BATCHES:
+        return BATCHES[kind](batch_size, seed)
     if "_packed" in kind:  # e.g. "llama_packed_lm"
         return packed_batch(batch_size, seed)
     g = torch.Generator().manual_seed(seed)
@@ -113,11 +132,14 @@ def assert_close(actual, expected, what: str, tol: float = 1e-5) -> None:
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
 
 
-def microbatch_mean_loss(model, batch: Dict[str, torch.Tensor], microbatch_size: int) -> torch.Tensor:
+def microbatch_mean_loss(model, batch: Dict[str, torch.Tensor], microbatch_size: int,
+                         kind: Optional[str] = None) -> torch.Tensor:
     """The loss of a batch as the pipeline defines it: the mean of its microbatches' losses."""
-    size = next(iter(batch.values())).shape[0]
-    chunks = [{k: v[i:i + microbatch_size] for k, v in batch.items()} for i in range(0, size, microbatch_size)]
-    return torch.stack([criterion(model(**c), c) for c in chunks]).mean()
+    ragged = RAGGED[kind](batch) if kind in RAGGED else {}
+    size = next(v.shape[0] for k, v in batch.items() if k not in ragged)
+    chunks = [samples(kind, batch, i, i + microbatch_size) for i in range(0, size, microbatch_size)]
+    loss_fn = CRITERIA.get(kind, criterion)
+    return torch.stack([loss_fn(model(**c), c) for c in chunks]).mean()
 
 
 def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int = 8, lr: float = 1e-3,
@@ -139,7 +161,8 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
     # lr / eps, so parameters can be compared at 1e-5 while every real gradient still drives an Adam-sized step.
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, eps=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
-    model, opt, *_ = booster.boost(model, opt, criterion)
+    loss_fn = CRITERIA.get(kind, criterion)
+    model, opt, *_ = booster.boost(model, opt, loss_fn)
     if prepare is not None:
         prepare(plugin)
     reference.train()
@@ -154,12 +177,12 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
         booster.load_optimizer(opt, os.path.join(resume_from[0], "optimizer"))
     for step in range(steps):
         global_batch = make_batch(kind, local_batch * dp, seed=100 + step)
-        local = {k: v[dp_rank * local_batch:(dp_rank + 1) * local_batch] for k, v in global_batch.items()}
+        local = samples(kind, global_batch, dp_rank * local_batch, (dp_rank + 1) * local_batch)
         # reference: one process, the whole global batch; the loss of a batch is the mean over its microbatches
         # (equal to the plain batch loss when microbatches hold equally many loss tokens) and over dp replicas
         ref_opt.zero_grad()
-        ref_losses = [microbatch_mean_loss(reference, {k: v[r * local_batch:(r + 1) * local_batch]
-                                                       for k, v in global_batch.items()}, mb) for r in range(dp)]
+        ref_losses = [microbatch_mean_loss(reference, samples(kind, global_batch, r * local_batch,
+                                                              (r + 1) * local_batch), mb, kind) for r in range(dp)]
         ref_loss = torch.stack(ref_losses).mean()
         ref_loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm) if max_norm > 0 else None
@@ -170,10 +193,10 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
 
         opt.zero_grad()
         if plugin.pp_size > 1 or plugin.schedule is not None:
-            out = booster.execute_pipeline(iter([local]), model, criterion, opt, return_loss=True)
+            out = booster.execute_pipeline(iter([local]), model, loss_fn, opt, return_loss=True)
             loss = out["loss"]
         else:
-            loss = criterion(model(**local), local)
+            loss = loss_fn(model(**local), local)
             booster.backward(loss, opt)
         assert_close(loss.detach().float(), ref_losses[dp_rank].detach(), f"{kind} step {step} loss", tol)
         opt.step()  # reduces gradients over stages and replicas, clips, steps
@@ -206,12 +229,12 @@ def check_evaluation(kind: str, layers: int = 4, local_batch: int = 8, **plugin_
     model, *_ = booster.boost(copy.deepcopy(reference))
     model.eval()
     batch = make_batch(kind, local_batch * plugin.dp_size, seed=7)
-    local = {k: v[plugin.dp_rank * local_batch:(plugin.dp_rank + 1) * local_batch] for k, v in batch.items()}
+    local = samples(kind, batch, plugin.dp_rank * local_batch, (plugin.dp_rank + 1) * local_batch)
     with torch.no_grad():
         expected = reference(**local)
         out = booster.execute_pipeline(iter([local]), model, criterion, return_loss=True, return_outputs=True)
         mb = plugin_kwargs.get("microbatch_size") or local_batch // plugin_kwargs.get("num_microbatches", 1)
-        expected_loss = microbatch_mean_loss(reference, local, mb)
+        expected_loss = microbatch_mean_loss(reference, local, mb, kind)
     assert_close(out["loss"], expected_loss, f"{kind} eval loss")
     if plugin.is_last_stage():
         key = "logits" if "logits" in expected else "last_hidden_state"

@@ -42,6 +42,7 @@ class Policy:
     tp_input_regions: Sequence[str] = ()           # base-relative modules whose input all column layers share
     local_rng_modules: Sequence[str] = ()           # base-relative patterns whose dropout acts on split heads
     shared_rng_modules: Sequence[str] = ()          # patterns inside those whose dropout acts on replicated data
+    first_stage_inputs: Sequence[str] = ()          # call keywords only the first stage's entry modules read
     # hook for a policy whose stages are not one layer list (encoder-decoder): it prunes the model to this stage
     # itself and returns the callable that runs the stage; None: the sharder releases layers, entry and exit
     release_unheld_layers: Optional[Callable[[], Optional[Callable[..., Any]]]] = None

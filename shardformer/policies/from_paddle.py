@@ -24,7 +24,7 @@ from torch import nn
 from ..layer.conv1d import is_conv1d
 from ..paths import base_prefix, find_submodule, match, split_at_base
 from ..styles import Colwise, ParallelStyle, Rowwise, VocabEmbedding, VocabHead
-from .auto_policy import SUPPORTED_MODELS
+from .auto_policy import builtin_policy
 from .base import Policy
 from .derive import derive_entry_exit
 
@@ -193,7 +193,7 @@ class PaddlePlanPolicy(Policy):
     def __init__(self, model: nn.Module, styles: Mapping[str, ParallelStyle], layers: str = "",
                  divide_attributes: Optional[Mapping[str, Sequence[str]]] = None) -> None:
         super().__init__()
-        known_cls = SUPPORTED_MODELS.get(type(model).__name__)
+        known_cls = builtin_policy(model)
         self.known = known_cls() if known_cls is not None else None
         prefix = base_prefix(model)
         self.tp_plan, self.head_tp_plan = split_at_base(styles, prefix)

@@ -17,7 +17,7 @@ front-ends beside hand-written policies, Paddle-style plans and Parallelformers-
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
@@ -92,14 +92,16 @@ def style_of(name, path: str, head: bool, config=None):
 class TransformersPlanPolicy(Policy):
     """Policy built from the model's own `_pp_plan` / `_tp_plan` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, plans: Optional[Tuple[Dict, Dict]] = None) -> None:
+        """`plans`: (pp plan, tp plan), model-relative, in place of the model's own `_pp_plan` / `_tp_plan`."""
         super().__init__()
         if not hasattr(model, "base_model") or not hasattr(model, "config"):
             raise PlanRefused(f"{type(model).__name__} is not a transformers model, so it has no plans.")
         self.set_model(model)
         prefix = base_prefix(model)
-        pp_plan = split_at_base(getattr(model, "_pp_plan", None) or {}, prefix)
-        base_plan, head_plan = split_at_base(getattr(model, "_tp_plan", None) or {}, prefix)
+        pp_own, tp_own = plans or (getattr(model, "_pp_plan", None), getattr(model, "_tp_plan", None))
+        pp_plan = split_at_base(pp_own or {}, prefix)
+        base_plan, head_plan = split_at_base(tp_own or {}, prefix)
         self.tp_plan = {p: s for p, s in ((p, style_of(n, p, False, model.config)) for p, n in base_plan.items())
                         if s is not None}
         self.head_tp_plan = {p: s for p, s in ((p, style_of(n, p, True, model.config)) for p, n in head_plan.items())

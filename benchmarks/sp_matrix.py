@@ -1,0 +1,389 @@
+"""Sequence parallelism matrix (a one-off check, not CI): Llama, Qwen3, Mistral (sliding window) and GPT-2 (learned
+positions, tied head) trained with HybridParallelPlugin(sp_size=2, enable_sequence_parallelism=True,
+sequence_parallelism_mode="ring_attn" | "all_to_all") composed with tp, pp and dp + ZeRO-1, against one process,
+with tests/model_utils.check_training (2 AdamW steps: the loss, every gradient, every parameter after each step, at
+1e-5, fp32) on rows of 16 tokens, plain (right padding on one row), nopad (no attention mask at all: the ring's own
+causal blocks) and packed (booster_plugin.packing: 2 to 4 whole
+documents per row, position_ids restarting at 0, no attention mask, models with use_cache=False so that transformers
+keeps attention inside each document).
+
+Tiny models (4 layers, hidden 32, vocabulary 100): Llama 8 heads / 4 kv heads; Qwen3 8 / 4 with q/k norms;
+Mistral 8 / 4 with sliding_window=4 (smaller than the 16-token row and than a rank's part of it, so the window
+crosses the ring's chunk boundaries); GPT-2 4 heads, learned absolute positions, tied input/output embeddings.
+
+Layouts (sp, tp, pp, dp) and ranks:
+  sp2            2 ranks: sp 2
+  sp2 x tp2      4 ranks: sp 2, tp 2
+  sp2 x pp2      4 ranks: sp 2, 2 stages, 2 microbatches
+  sp2 x dp2 Z1   4 ranks: sp 2, dp 2, zero_stage=1
+
+    python benchmarks/sp_matrix.py [--only llama,gpt2] [--modes ring_attn] [--layouts sp2,sp2_tp2] [--data plain]
+
+check_training builds its batches with tests/model_utils.make_batch (8 tokens): the ranks of this script replace
+that function (monkeypatched in the rank process, tests/ unchanged) with 16-token batches. Writes
+benchmarks/results/context_sp_matrix.json and docs/context_parallel.md (the matrix).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for path in (ROOT, HERE):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+OUT = os.path.join(HERE, "results", "context_sp_matrix.json")
+DOC = os.path.join(ROOT, "docs", "context_parallel.md")
+LENGTH = 16  # tokens per row (a multiple of 2 * sp * tp for every layout here)
+WINDOW = 4  # Mistral's sliding window
+DOCS_PER_ROW = (2, 4)  # whole documents per packed row
+MODELS = {"llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral (window 4)", "gpt2": "GPT-2"}
+MODES = ("ring_attn", "all_to_all")
+DATA = ("plain", "nopad", "packed")
+# name: (label, world size, plugin keywords besides the sp ones)
+LAYOUTS = {
+    "sp2": ("sp2 (2 ranks)", 2, {}),
+    "sp2_tp2": ("sp2 x tp2 (4 ranks)", 4, {"tp_size": 2}),
+    "sp2_pp2": ("sp2 x pp2, m=2 (4 ranks)", 4, {"pp_size": 2, "num_microbatches": 2}),
+    "sp2_dp2_zero1": ("sp2 x dp2, ZeRO-1 (4 ranks)", 4, {"zero_stage": 1}),
+}
+
+
+# -- models and batches (registered on the ranks) --------------------------------------------------------------------
+def _config_kwargs(packed: bool) -> dict:
+    return dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_attention_heads=8, num_key_value_heads=4,
+                max_position_embeddings=64, pad_token_id=0, attention_dropout=0.0, use_cache=not packed)
+
+
+def build_model(model: str, packed: bool, layers: int = 4):
+    import transformers
+    from tests import model_utils as mu
+    kw = _config_kwargs(packed)
+    if model == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=layers, **kw))
+    if model == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(num_hidden_layers=layers, head_dim=8, **kw))
+    if model == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(num_hidden_layers=layers, head_dim=4,
+                                                                          sliding_window=WINDOW, **kw))
+    if model == "gpt2":
+        config = mu.gpt2_config(layers)
+        config.n_positions, config.use_cache = 64, not packed
+        return transformers.GPT2LMHeadModel(config)  # tie_word_embeddings=True (GPT-2's default)
+    raise KeyError(model)
+
+
+def kind_name(model: str, data: str) -> str:
+    """The kind registered in tests.model_utils.MODELS ('_packed' in the name: packed rows; '_lm': labels)."""
+    return f"spm_{model}_{data}_lm"
+
+
+def register(model: str, data: str) -> str:
+    from tests import model_utils as mu
+    kind = kind_name(model, data)
+    mu.MODELS[kind] = lambda n=4: build_model(model, data == "packed", n)
+    return kind
+
+
+def documents(seed: int):
+    """An endless stream of documents planned so that pack_documents fills each LENGTH-token row with DOCS_PER_ROW
+    whole documents (2 to 4, chosen at random per row) and sometimes a free tail of up to 3 padding tokens: a row's
+    documents are at least 2 tokens long and its first at least 4 (it never fits into the previous row's tail)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    while True:
+        k = rand(*DOCS_PER_ROW)
+        total = LENGTH - rand(0, 3)
+        lengths = [4] + [2] * (k - 1)
+        for _ in range(total - sum(lengths)):  # the remaining tokens to random documents of the row
+            lengths[rand(0, k - 1)] += 1
+        for n in lengths:
+            yield [int(t) for t in torch.randint(1, 100, (n,), generator=g)]
+
+
+def make_batch(kind: str, batch_size: int, seed: int):
+    """tests.model_utils.make_batch at LENGTH tokens: packed rows for '_packed' kinds, else tokens with 3 padding
+    tokens on the right of the first row (attention_mask) and labels masked there."""
+    import torch
+    from booster_plugin.packing import pack_documents
+    if "_packed" in kind:
+        return next(pack_documents(documents(seed), LENGTH, pad_token_id=0, rows_per_batch=batch_size))
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, 100, (batch_size, LENGTH), generator=g)
+    if "_nopad" in kind:  # no attention_mask: sdpa's mask function returns None (plain causal) unless a window cuts
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, -3:] = 0
+    input_ids[0, -3:] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "labels": input_ids.masked_fill(attention_mask == 0, -100)}
+
+
+def docs_per_row(batch) -> list:
+    """Whole documents per packed row (position_ids restarting at 0), the free tail's padding document excluded."""
+    out = []
+    for pos, labels in zip(batch["position_ids"], batch["labels"]):
+        starts = (pos == 0).nonzero().flatten().tolist() + [len(pos)]
+        out.append(sum(1 for a, b in zip(starts, starts[1:]) if (labels[a:b] != -100).any()))
+    return out
+
+
+class Refused(Exception):
+    """The plugin refused the layout (ValueError / NotImplementedError), with its reason."""
+
+
+def cell(model: str, mode: str, layout: str, data: str) -> None:
+    """On every rank: check_training of `model` under `layout` and `mode` on `data` rows (raises on the first
+    mismatch; a refusal is re-raised as Refused with the plugin's message)."""
+    from torch.nn.modules import module as nn_module
+    from tests import model_utils as mu
+    kind = register(model, data)
+    lengths, seen = [], set()
+
+    def batch(kind, batch_size, seed):
+        out = make_batch(kind, batch_size, seed)
+        lengths.append(out["input_ids"].shape[1])
+        return out
+
+    def layer_input(module, args):  # the sequence length each decoder layer runs on
+        if type(module).__name__.endswith(("DecoderLayer", "Block")) and args and hasattr(args[0], "shape"):
+            seen.add(args[0].shape[1])
+
+    def prepare(plugin):
+        assert plugin.sp_mode == mode and plugin.ctx.sp.size == 2, (plugin.sp_mode, plugin.ctx.sp.size)
+
+    mu.make_batch = batch  # check_training reads the module global: 16-token rows
+    kwargs = dict(LAYOUTS[layout][2], sp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode=mode)
+    hook = nn_module.register_module_forward_pre_hook(layer_input)
+    try:
+        mu.check_training(kind, steps=2, prepare=prepare, **kwargs)
+    except (ValueError, NotImplementedError) as error:
+        raise Refused(f"{type(error).__name__}: {error}") from error
+    finally:
+        hook.remove()
+    # the check ran on LENGTH-token rows, the reference on whole rows, the boosted layers on half of them
+    assert lengths and set(lengths) == {LENGTH}, lengths
+    assert LENGTH in seen and LENGTH // 2 in seen, f"decoder layers ran on sequence lengths {sorted(seen)}"
+
+
+def first_error(message: str) -> str:
+    """The exception line (and the mismatch summary of assert_close) of the first failing rank's traceback."""
+    lines = [line for line in message.splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if line.startswith("--- rank"):
+            block = []
+            for nxt in lines[i + 1:]:
+                if nxt.startswith("--- rank"):
+                    break
+                block.append(nxt)
+            refused = [b for b in block if "Refused:" in b]
+            if refused:
+                return refused[-1].split("Refused: ", 1)[1][:400]
+            for j, b in enumerate(block):
+                if b.startswith("AssertionError"):
+                    detail = " ".join(x.strip() for x in block[j:j + 4] if not x.startswith("  File"))
+                    return detail[:400]
+            errors = [b for b in block if not b.startswith(" ") and ("Error" in b or "Exception" in b)]
+            return (errors[-1] if errors else block[-1])[:400] if block else line
+    return lines[0][:400] if lines else "failed"
+
+
+# -- one process: do the models keep attention inside each packed document? -----------------------------------------
+def isolation_check(model: str) -> str:
+    """The one-process model on a packed row vs each document alone: 'isolated' if every document's logits match
+    (the precondition of the packed rows being meaningful), else the largest difference."""
+    import torch
+    torch.manual_seed(0)
+    net = build_model(model, packed=True).eval()
+    batch = make_batch(kind_name(model, "packed"), 1, 5)
+    with torch.no_grad():
+        packed = net(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        pos = batch["position_ids"][0]
+        starts = (pos == 0).nonzero().flatten().tolist() + [LENGTH]
+        worst = 0.0
+        for a, b in zip(starts, starts[1:]):
+            alone = net(input_ids=batch["input_ids"][:, a:b]).logits[0]
+            worst = max(worst, (alone - packed[a:b]).abs().max().item())
+    return "isolated" if worst < 1e-5 else f"NOT isolated (max |diff| {worst:.2e})"
+
+
+def window_check() -> str:
+    """Does Mistral's sliding window change the one-process output on these rows (else the column tests nothing)?"""
+    import torch
+    torch.manual_seed(0)
+    net = build_model("mistral", packed=False).eval()
+    batch = make_batch(kind_name("mistral", "plain"), 2, 3)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        windowed = net(**inputs).logits
+        net.config.sliding_window = None
+        full = net(**inputs).logits
+    diff = (windowed - full).abs().max().item()
+    return f"sliding_window={WINDOW} vs none: max |logit diff| {diff:.2e}" + (" (no effect!)" if diff < 1e-6 else "")
+
+
+# -- report ------------------------------------------------------------------------------------------------------------
+def column(mode: str, data: str) -> str:
+    return f"{mode}, {data}"
+
+
+def render(matrix: dict) -> str:
+    cols = [column(m, d) for d in DATA for m in MODES]
+    out = []
+    for layout, (label, world, _) in LAYOUTS.items():
+        out.append(f"\n**{label}**\n")
+        out.append("| model | " + " | ".join(cols) + " |")
+        out.append("|---|" + "---|" * len(cols))
+        for model, name in MODELS.items():
+            cells = []
+            for c in cols:
+                r = matrix["results"].get(name, {}).get(label, {}).get(c)
+                cells.append("—" if r is None else (r["result"] if r["result"] == "pass" else
+                                                     f"**{r['result']}**: {r.get('detail', '')}"))
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def summary_counts(matrix: dict) -> dict:
+    counts: dict = {}
+    for by_layout in matrix["results"].values():
+        for by_col in by_layout.values():
+            for r in by_col.values():
+                counts[r["result"]] = counts.get(r["result"], 0) + 1
+    return counts
+
+
+def write_doc(matrix: dict) -> None:
+    counts = summary_counts(matrix)
+    failures = [(m, l, c, r) for m, bl in matrix["results"].items() for l, bc in bl.items() for c, r in bc.items()
+                if r["result"] != "pass"]
+    lines = [
+        "# Sequence parallelism over its own group (`sp_size`): exactness matrix",
+        "",
+        "A one-off run of `python benchmarks/sp_matrix.py` (not in CI; raw results in "
+        "`benchmarks/results/context_sp_matrix.json`). Each cell trains a tiny model 2 AdamW steps with "
+        "`HybridParallelPlugin(sp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode=...)` in the "
+        "given layout and compares it with the unsharded model on one process (`tests/model_utils.check_training`): "
+        "the loss, every gradient the optimizer steps (gathered over tp / ZeRO) and every parameter after each step, "
+        "at 1e-5 (rtol and atol), fp32.",
+        "",
+        f"- Rows of {LENGTH} tokens, local batch 8 per dp replica. **plain**: random tokens, the first row with 3 "
+        "padding tokens on the right (`attention_mask`, labels masked). **nopad**: random tokens, no `attention_mask` (sdpa's mask function then returns no mask "
+        "for a plain causal row: ring attention runs its own causal blocks; Mistral's window still builds a mask). "
+        "**packed**: "
+        f"`booster_plugin.packing.pack_documents` rows of {DOCS_PER_ROW[0]} to {DOCS_PER_ROW[1]} whole documents of "
+        "random lengths of at least 2 tokens (a free tail of up to 3 tokens is one padding document), "
+        "`position_ids` restarting at 0, no attention mask, each document's first label masked; the packed models "
+        "have `use_cache=False`, so transformers keeps attention inside each document.",
+        "- Models (4 layers, hidden 32, vocabulary 100): Llama (8 heads, 4 kv heads), Qwen3 (8/4, q/k norms), "
+        f"Mistral (8/4, `sliding_window={WINDOW}`: smaller than the row and than a rank's part of it, so the window "
+        "crosses the ring's zigzag chunks), GPT-2 (4 heads, learned absolute positions, tied head).",
+        "- Layouts: sp2 on 2 ranks; sp2 x tp2, sp2 x pp2 (1F1B, 2 microbatches), sp2 x dp2 with ZeRO-1 on 4 ranks "
+        "(mesh `(dp, pp, sp, tp)`).",
+        "- One process isolates the packed documents (each document's logits in the packed row equal the document "
+        "alone): " + ", ".join(f"{MODELS[m]}: {v}" for m, v in matrix.get("isolation", {}).items()) + ". "
+        "Mistral's window matters on these rows (one process, " + matrix.get("window_effect", "not checked") + ").",
+        "",
+        f"**Result: {counts.get('pass', 0)} pass, {counts.get('refused', 0)} refused, {counts.get('fail', 0)} fail** "
+        f"(of {sum(counts.values())} cells).",
+    ]
+    if failures:
+        lines += ["", "Not passing:", ""]
+        lines += [f"- {m}, {l}, {c}: **{r['result']}** — {r.get('detail', '')}" for m, l, c, r in failures]
+    lines += ["", "## Matrix", render(matrix), "", matrix.get("note", ""), ""]
+    os.makedirs(os.path.dirname(DOC), exist_ok=True)
+    with open(DOC, "w") as f:
+        f.write("\n".join(lines))
+
+
+def print_table(matrix: dict) -> None:
+    cols = [column(m, d) for d in DATA for m in MODES]
+    rows = []
+    for model, name in MODELS.items():
+        for layout, (label, _, _) in LAYOUTS.items():
+            row = [name, label]
+            for c in cols:
+                r = matrix["results"].get(name, {}).get(label, {}).get(c)
+                row.append("-" if r is None else r["result"])
+            rows.append(row)
+    headers = ["model", "layout"] + cols
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    fmt = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    print(fmt(headers))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print(fmt(r))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="comma-separated models: " + ",".join(MODELS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--data", default=",".join(DATA))
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one cell may take")
+    args = parser.parse_args()
+    import torch
+    torch.set_num_threads(1)
+    import sp_matrix  # this module by name: the ranks unpickle `sp_matrix.cell`, not `__main__.cell`
+    from tests.dist_utils import run_distributed
+
+    models = [m for m in args.only.split(",") if m] or list(MODELS)
+    modes = [m for m in args.modes.split(",") if m]
+    layouts = [t for t in args.layouts.split(",") if t]
+    datas = [d for d in args.data.split(",") if d]
+    matrix = {"results": {}, "isolation": {}}
+    if os.path.exists(OUT):  # keep the cells not run this time
+        with open(OUT) as f:
+            old = json.load(f)
+        matrix["results"], matrix["isolation"] = old.get("results", {}), old.get("isolation", {})
+    sample = make_batch("x_packed_lm", 64, 0)
+    per_row = docs_per_row(sample)
+    print(f"packed rows: {min(per_row)}-{max(per_row)} documents per row (64 sample rows)", flush=True)
+    for model in models:
+        matrix["isolation"][model] = isolation_check(model)
+        print(f"{MODELS[model]}: one process on packed rows: {matrix['isolation'][model]}", flush=True)
+    matrix["window_effect"] = window_check()
+    print(f"Mistral, one process: {matrix['window_effect']}", flush=True)
+    start = time.time()
+    for layout in layouts:  # world sizes grouped: the rank pools are reused
+        label, world, _ = LAYOUTS[layout]
+        for data in datas:
+            for mode in modes:
+                for model in models:
+                    t0 = time.time()
+                    try:
+                        run_distributed(world, sp_matrix.cell, model, mode, layout, data, timeout=args.timeout)
+                        result = {"result": "pass"}
+                    except AssertionError as error:
+                        detail = first_error(str(error))
+                        result = {"result": "refused" if "Refused:" in str(error) else "fail", "detail": detail}
+                    result["seconds"] = round(time.time() - t0, 1)
+                    matrix["results"].setdefault(MODELS[model], {}).setdefault(label, {})[column(mode, data)] = result
+                    print(f"{MODELS[model]:20s} {label:28s} {column(mode, data):22s} {result['result']} "
+                          f"{result.get('detail', '')} ({result['seconds']} s)", flush=True)
+    matrix["results"] = {MODELS[m]: matrix["results"][MODELS[m]] for m in MODELS if MODELS[m] in matrix["results"]}
+    matrix["documents_per_packed_row"] = [min(per_row), max(per_row)]
+    matrix["note"] = (f"transformers {_version('transformers')}, torch {_version('torch')}, gloo on a shared "
+                      f"{os.cpu_count()}-core CPU machine, one thread per rank; last run "
+                      f"{time.strftime('%Y-%m-%d %H:%M')} ({time.time() - start:.0f} s for the cells run).")
+    os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    with open(OUT, "w") as f:
+        json.dump(matrix, f, indent=2)
+    write_doc(matrix)
+    print_table(matrix)
+    print(f"wrote {OUT} and {DOC} ({time.time() - start:.0f} s)")
+
+
+def _version(name: str) -> str:
+    return __import__(name).__version__
+
+
+if __name__ == "__main__":
+    main()

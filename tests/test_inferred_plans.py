@@ -1,0 +1,86 @@
+"""Families transformers gives no plan (OPT: inferred from its structure; BLOOM, Falcon: hand-written, their fused
+query_key_value interleaving heads) train exactly under tp=2 x pp=2, every such policy proven by one forward of a
+small twin at boost; GPT-J (which declares plans in transformers 5) trains exactly with the plan inferred from its
+structure instead, which equals its declared one; a wrong plan is refused by the proof, naming the module."""
+import pytest
+from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, GPTJConfig, GPTJForCausalLM,
+                          OPTForCausalLM, OPTForSequenceClassification)
+
+from shardformer.policies import PlanRefused, TransformersPlanPolicy, get_autopolicy
+from shardformer.policies.bloom import BloomPolicy
+from shardformer.policies.falcon import FalconPolicy
+from shardformer.policies.inferred import InferredPolicy, infer_policy
+from shardformer.styles import Colwise
+from tests import model_utils as mu
+from tests.dist_utils import run_distributed
+
+V = mu.VOCAB
+
+
+def _bloom(n):
+    return BloomForCausalLM(BloomConfig(vocab_size=V, hidden_size=32, n_layer=n, n_head=4, pad_token_id=0))
+
+
+def _falcon(n, new):
+    return FalconForCausalLM(FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=n, num_attention_heads=4,
+                                          num_kv_heads=2 if new else 4, new_decoder_architecture=new,
+                                          multi_query=False, ffn_hidden_size=64, pad_token_id=0, alibi=not new))
+
+
+def _gptj(n):
+    return GPTJForCausalLM(GPTJConfig(vocab_size=V, n_positions=32, n_embd=32, n_layer=n, n_head=4, rotary_dim=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0))
+
+
+BUILDERS = {
+    "opt_inferred_lm": lambda n=4: OPTForCausalLM(mu.opt_config(n)),
+    "opt_inferred_cls": lambda n=4: OPTForSequenceClassification(mu.opt_config(n)),
+    "gptj_inferred_lm": lambda n=4: _gptj(n),
+    "bloom_lm": lambda n=4: _bloom(n),
+    "falcon_lm": lambda n=4: _falcon(n, new=False),
+    "falcon_new_lm": lambda n=4: _falcon(n, new=True),
+}
+mu.MODELS.update(BUILDERS)
+
+
+def test_policy_sources():
+    """Which path each family takes (no ranks needed)."""
+    for kind, source in (("opt_inferred_lm", InferredPolicy), ("opt_inferred_cls", InferredPolicy),
+                         ("bloom_lm", BloomPolicy), ("falcon_lm", FalconPolicy)):
+        assert type(get_autopolicy(mu.build(kind, 2))) is source, kind
+
+
+def test_inferred_equals_declared_plan():
+    """GPT-J declares plans: the plan inferred from its structure is the same (tp entries, layers, entry, exit)."""
+    model = mu.build("gptj_inferred_lm", 2)
+    declared, inferred = TransformersPlanPolicy(model), infer_policy(model)
+    assert inferred.tp_plan == declared.tp_plan and inferred.head_tp_plan == declared.head_tp_plan
+    assert (inferred.layers, inferred.entry, inferred.exit) == (declared.layers, declared.entry, declared.exit)
+
+
+def _train(kind):
+    policy = infer_policy(mu.build(kind, 2)) if kind == "gptj_inferred_lm" else None  # (GPT-J declares plans)
+    mu.check_training(kind, steps=1, layers=4, tp_size=2, pp_size=2, num_microbatches=2, custom_policy=policy)
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_exact_at_tp2_pp2(kind):
+    run_distributed(4, _train, kind)
+
+
+class _WrongOPT(InferredPolicy):
+    """OPT's inferred plan with its row-parallel out_proj declared column-parallel."""
+
+
+def _refused():
+    model = mu.build("opt_inferred_lm", 4)
+    policy = get_autopolicy(model)
+    wrong = _WrongOPT(**{k: getattr(policy, k) for k in ("layers", "entry", "exit", "head_tp_plan", "tp_attributes",
+                                                           "tp_input_regions", "local_rng_modules")},
+                      tp_plan={**policy.tp_plan, "decoder.layers.*.self_attn.v_proj": Colwise(n_fused=2)})
+    with pytest.raises(PlanRefused, match=r"decoder\.layers\.0\.self_attn\.out_proj"):
+        mu.check_training("opt_inferred_lm", steps=1, tp_size=2, pp_size=2, num_microbatches=2, custom_policy=wrong)
+
+
+def test_wrong_plan_refused_naming_module():
+    run_distributed(4, _refused)

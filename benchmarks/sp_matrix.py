@@ -172,6 +172,114 @@ def cell(model: str, mode: str, layout: str, data: str) -> None:
     assert LENGTH in seen and LENGTH // 2 in seen, f"decoder layers ran on sequence lengths {sorted(seen)}"
 
 
+# -- further checks (each in both modes): options and inputs the matrix does not vary ---------------------------------
+def _extra_builder(model: str, packed: bool, **config):
+    """A builder like build_model's with config fields changed."""
+    import transformers
+    kw = {**_config_kwargs(packed), **config}
+    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 8}),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"head_dim": 4})}
+    config_class, model_class, extra = classes[model]
+    return lambda n=4: model_class(config_class(num_hidden_layers=n, **{**extra, **kw}))
+
+
+def _short_documents(kind: str, batch_size: int, seed: int):
+    """Packed rows of documents of 1 to 3 tokens (single-token documents: queries whose only key is themselves)."""
+    import torch
+    from booster_plugin.packing import pack_documents
+    g = torch.Generator().manual_seed(seed)
+
+    def docs():
+        while True:
+            n = int(torch.randint(1, 4, (1,), generator=g))
+            yield [int(t) for t in torch.randint(1, 100, (n,), generator=g)]
+    return next(pack_documents(docs(), LENGTH, rows_per_batch=batch_size))
+
+
+def _left_padded(kind: str, batch_size: int, seed: int):
+    """Rows 0 and 1 padded on the left (5 and 9 tokens: queries without any key), labels masked there."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 100, (batch_size, LENGTH), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[1, :9] = 0
+    ids[mask == 0] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _eval_then_train(mode: str) -> None:
+    """Eval-mode loss and greedy generate() under sp equal one process; training mode splits (and is exact) again."""
+    import copy
+    import torch
+    from booster_plugin import Booster, HybridParallelPlugin
+    from tests import model_utils as mu
+    kind = register("llama", "plain")
+    reference = mu.build(kind).eval()
+    plugin = HybridParallelPlugin(sp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode=mode)
+    model, *_ = Booster(plugin=plugin).boost(copy.deepcopy(reference))
+    model.eval()
+    batch = make_batch(kind, 4, 0)
+    with torch.no_grad():
+        mu.assert_close(model(**batch).loss, reference(**batch).loss, "eval loss")
+        prompt = batch["input_ids"][:1, :5]
+        out = model.unwrap().generate(input_ids=prompt, max_new_tokens=4, do_sample=False)
+        assert torch.equal(out, reference.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)), out
+    model.train()
+    reference.train()
+    mu.assert_close(model(**batch).loss.detach(), reference(**batch).loss.detach(), "training loss after eval")
+
+
+# name: (description, world size, model, data, builder config or None, batch function or None, plugin keywords)
+EXTRAS = {
+    "checkpointing": ("activation checkpointing of every layer, Llama, packed, sp2", 2, "llama", "packed", None,
+                      None, {"gradient_checkpoint_config": "all"}),
+    "sp4_window3": ("sp4 (4 ranks: chunks of 2 tokens), Mistral sliding_window=3, packed", 4, "mistral", "packed",
+                    {"sliding_window": 3}, None, {"sp_size": 4}),
+    "short_documents": ("packed rows of 1- to 3-token documents, Llama, sp2", 2, "llama", "packed", None,
+                        _short_documents, {}),
+    "clipping_tp2": ("clipping max_norm=0.05, GPT-2, plain, sp2 x tp2", 4, "gpt2", "plain", None, None,
+                     {"tp_size": 2, "max_norm": 0.05}),
+    "zero2_clipping": ("ZeRO-2 + clipping max_norm=0.05, Qwen3, packed, sp2 x dp2", 4, "qwen3", "packed", None, None,
+                       {"zero_stage": 2, "max_norm": 0.05}),
+    "bf16": ("bf16 (tolerance 3e-2, reference fp32), Mistral window 4, plain, sp2", 2, "mistral", "plain", None, None,
+             {"precision": "bf16", "tol": 3e-2}),
+    "eager": ("attn_implementation='eager', Llama, plain, sp2", 2, "llama", "plain",
+              {"attn_implementation": "eager"}, None, {}),
+    "mixed_layers": ("Qwen3 alternating sliding (window 5) and full layers, packed, sp2", 2, "qwen3", "packed",
+                     {"use_sliding_window": True, "sliding_window": 5,
+                      "layer_types": ["sliding_attention", "full_attention"] * 2}, None, {}),
+    "left_padding_tp2": ("left padding (rows without any key), Llama, sp2 x tp2", 4, "llama", "plain", None,
+                         _left_padded, {"tp_size": 2}),
+    "eval_generate": ("eval-mode loss and greedy generate() equal one process, then training, Llama, sp2", 2,
+                      "llama", "plain", None, None, {}),
+}
+
+
+def extra(name: str, mode: str) -> None:
+    """On every rank: the further check `name` in `mode` (raises on the first mismatch)."""
+    if name == "eval_generate":
+        return _eval_then_train(mode)
+    from booster_plugin.activation_checkpoint import GradientCheckpointConfig
+    from tests import model_utils as mu
+    _, _, model, data, config, batch_fn, plugin_kwargs = EXTRAS[name]
+    kind = register(model, data)
+    if config is not None:
+        mu.MODELS[kind] = _extra_builder(model, data == "packed", **config)
+    mu.make_batch = batch_fn or make_batch
+    kwargs = dict(plugin_kwargs)
+    if kwargs.get("gradient_checkpoint_config") == "all":
+        kwargs["gradient_checkpoint_config"] = GradientCheckpointConfig(gradient_checkpointing_ratio=1.0)
+    kwargs.setdefault("sp_size", 2)
+    try:
+        mu.check_training(kind, steps=2, enable_sequence_parallelism=True, sequence_parallelism_mode=mode, **kwargs)
+    except (ValueError, NotImplementedError) as error:
+        raise Refused(f"{type(error).__name__}: {error}") from error
+    finally:
+        mu.MODELS.pop(kind, None)  # (the matrix registers its own builder again)
+
+
 def first_error(message: str) -> str:
     """The exception line (and the mismatch summary of assert_close) of the first failing rank's traceback."""
     lines = [line for line in message.splitlines() if line.strip()]
@@ -297,9 +405,83 @@ def write_doc(matrix: dict) -> None:
         lines += ["", "Not passing:", ""]
         lines += [f"- {m}, {l}, {c}: **{r['result']}** — {r.get('detail', '')}" for m, l, c, r in failures]
     lines += ["", "## Matrix", render(matrix), "", matrix.get("note", ""), ""]
+    if matrix.get("extras"):
+        lines += ["## Further checks", "",
+                  "The same comparison (`check_training`, 2 AdamW steps, 1e-5 unless stated) for options and inputs the "
+                  "matrix does not vary (`EXTRAS` in the script):", "",
+                  "| check | ranks | ring_attn | all_to_all |", "|---|---|---|---|"]
+        for description, by_mode in matrix["extras"].items():
+            world = next((e[1] for e in EXTRAS.values() if e[0] == description), "")
+            cells = [by_mode.get(m, {}).get("result", "—") + (f": {by_mode[m]['detail']}" if by_mode.get(m, {}).get(
+                "detail") else "") for m in MODES]
+            lines.append(f"| {description} | {world} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += render_benchmarks()
     os.makedirs(os.path.dirname(DOC), exist_ok=True)
     with open(DOC, "w") as f:
         f.write("\n".join(lines))
+
+
+def render_benchmarks() -> list:
+    """The figures of benchmarks/bench_context.py (benchmarks/results/context*.json), if it was run."""
+    path = os.path.join(HERE, "results", "context.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        r = json.load(f)
+    env = r.get("env", {})
+    mib = 2 ** 20
+    out = ["## Memory and speed (`benchmarks/bench_context.py`)", "",
+           f"`OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 benchmarks/bench_context.py` (outside CI; "
+           f"`benchmarks/results/context.json`): Llama hidden 256, 2 layers, 4 heads, ffn 1024, vocabulary "
+           f"{r['model']['vocab_size']}, fp32, one row of L tokens, gloo on a shared {env.get('cpu_count')}-core CPU "
+           f"machine (load average {env.get('loadavg_at_start')} at start, {r.get('loadavg_at_end')} at end), one "
+           "thread per rank, torch " + str(env.get("torch")) + ", transformers " + str(env.get("transformers")) + ".",
+           "", "**Activations per rank** (peak of the bytes saved for backward in one forward+backward, "
+           "`bench_memory.SavedTensorMeter`; sp=2: the larger rank). Target sp=2 <= 0.55x sp=1.", "",
+           "| L | sp=1 MiB | ring_attn MiB | ring/sp=1 | all_to_all MiB | a2a/sp=1 |", "|---|---|---|---|---|---|"]
+    act = r["activations"]
+    for length in act["sp=1"]:
+        ring, a2a = act["ring_attn"][length], act["all_to_all"][length]
+        out.append(f"| {length} | {act['sp=1'][length]['activations_peak_max'] / mib:.1f} | "
+                   f"{ring['activations_peak_max'] / mib:.1f} | {ring['ratio_to_sp1']:.3f} | "
+                   f"{a2a['activations_peak_max'] / mib:.1f} | {a2a['ratio_to_sp1']:.3f} |")
+    other = os.path.join(HERE, "results", "context_vocab32000.json")
+    if os.path.exists(other):
+        with open(other) as f:
+            big = json.load(f)["activations"]
+        ratios = ", ".join(f"L={k}: {v['ratio_to_sp1']:.3f}" for k, v in big["ring_attn"].items())
+        out += ["", f"With a vocabulary of 32000 (`--vocab 32000 --name context_vocab32000`) ring_attn's ratio is "
+                f"{ratios} (all_to_all the same to 0.001): the head and the loss run on the whole sequence on every sp "
+                "rank (the final norm's output is gathered before `lm_head`), so their logits are not split."]
+    out += ["", "**Longest measured power-of-two length whose activations fit a per-rank budget**", "",
+            "| budget | sp=1 | ring_attn | all_to_all |", "|---|---|---|---|"]
+    for budget, v in r["longest_length_under_activation_budget"].items():
+        out.append(f"| {budget} | {v['sp=1']} | {v['ring_attn']} | {v['all_to_all']} |")
+    if "speed" in r:
+        sp = r["speed"]
+        out += ["", f"**Training step** (forward + backward + AdamW) at L={sp['length']}, all variants in one run, "
+                f"{sp['rounds']} interleaved rounds in rotated order, medians. sp=1 is one process on one core doing the "
+                "whole sequence (the other rank idles in a barrier: its CPU time is ~0); sp=2 uses two processes, one "
+                "core each. `x sp=1 (cpu)`: sp=1's CPU seconds per step over the busier sp rank's, what the wall-time "
+                "ratio approaches on idle cores. Target ring_attn >= 1.3x sp=1.", "",
+                "| variant | median s | tokens/s | x sp=1 (medians) | x sp=1 (paired) | CPU s rank 0 / 1 | x sp=1 (cpu) |",
+                "|---|---|---|---|---|---|---|"]
+        for name, v in sp["variants"].items():
+            if name == "comparisons":
+                continue
+            out.append(f"| {name} | {v['median_s']:.2f} | {v['tokens_per_s']:.0f} | {v['speedup_vs_sp1_1thread']:.2f} | "
+                       f"{v.get('paired_speedup_vs_sp1_1thread', float('nan')):.2f} | {v['cpu_s_per_step_rank0']:.2f} / "
+                       f"{v['cpu_s_per_step_rank1']:.2f} | {v.get('cpu_speedup_vs_sp1_1thread', float('nan')):.2f} |")
+        out += [""] + [f"- {c['text']}" for c in sp["variants"]["comparisons"].values()]
+    cp = r.get("torch_context_parallel")
+    if cp:
+        out += ["", f"**torch's context parallel** (`torch.distributed.tensor.experimental.context_parallel`, torch "
+                f"{cp['torch']}, {cp['device_mesh']}, L={cp['length']}):", ""]
+        for label, a in cp["attempts"].items():
+            out.append(f"- {label}: " + (f"`{a['error']}`" if a["result"] == "error" else
+                                         f"ran, loss {a['loss']:.6f}, matches sp=1: {a['loss_matches']}"))
+    return out + [""]
 
 
 def print_table(matrix: dict) -> None:
@@ -327,6 +509,9 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--data", default=",".join(DATA))
+    parser.add_argument("--extras", default=",".join(EXTRAS), help="further checks: " + ",".join(EXTRAS))
+    parser.add_argument("--no-extras", action="store_true")
+    parser.add_argument("--render", action="store_true", help="only rewrite the doc from the JSON results")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one cell may take")
     args = parser.parse_args()
     import torch
@@ -342,7 +527,12 @@ def main() -> None:
     if os.path.exists(OUT):  # keep the cells not run this time
         with open(OUT) as f:
             old = json.load(f)
-        matrix["results"], matrix["isolation"] = old.get("results", {}), old.get("isolation", {})
+        matrix.update({k: v for k, v in old.items() if k in ("results", "isolation", "extras", "window_effect",
+                                                             "documents_per_packed_row", "note")})
+    if args.render:
+        write_doc(matrix)
+        print(f"wrote {DOC}")
+        return
     sample = make_batch("x_packed_lm", 64, 0)
     per_row = docs_per_row(sample)
     print(f"packed rows: {min(per_row)}-{max(per_row)} documents per row (64 sample rows)", flush=True)
@@ -368,6 +558,20 @@ def main() -> None:
                     matrix["results"].setdefault(MODELS[model], {}).setdefault(label, {})[column(mode, data)] = result
                     print(f"{MODELS[model]:20s} {label:28s} {column(mode, data):22s} {result['result']} "
                           f"{result.get('detail', '')} ({result['seconds']} s)", flush=True)
+    for name in ([] if args.no_extras else [e for e in args.extras.split(",") if e]):
+        description, world = EXTRAS[name][:2]
+        for mode in modes:
+            t0 = time.time()
+            try:
+                run_distributed(world, sp_matrix.extra, name, mode, timeout=args.timeout)
+                result = {"result": "pass"}
+            except AssertionError as error:
+                result = {"result": "refused" if "Refused:" in str(error) else "fail",
+                          "detail": first_error(str(error))}
+            result["seconds"] = round(time.time() - t0, 1)
+            matrix.setdefault("extras", {}).setdefault(description, {})[mode] = result
+            print(f"extra: {description:80s} {mode:10s} {result['result']} {result.get('detail', '')} "
+                  f"({result['seconds']} s)", flush=True)
     matrix["results"] = {MODELS[m]: matrix["results"][MODELS[m]] for m in MODELS if MODELS[m] in matrix["results"]}
     matrix["documents_per_packed_row"] = [min(per_row), max(per_row)]
     matrix["note"] = (f"transformers {_version('transformers')}, torch {_version('torch')}, gloo on a shared "

@@ -31,14 +31,14 @@ from .fsdp_shard import (decoder_layers, make_mesh, parameter_names, policy_targ
                          rebind_optimizer, shard_model)
 from .launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
 from .mixed_precision import DynamicLossScaler, LossScalerConfig
-from .plugin_base import DPPluginBase
+from .plugin_base import WorldDPPluginBase
 
 __all__ = ["FSDPPluginBase", "GeminiPlugin", "TorchFSDPPlugin"]
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class FSDPPluginBase(DPPluginBase):
+class FSDPPluginBase(WorldDPPluginBase):
     """What both FSDP2 plugins share: the mesh, `configure` (module docstring), checkpoints, and the data-parallel
     group (the world) that prepare_dataloader splits the data over. Subclasses set the policies and wrap the
     optimizer."""
@@ -55,18 +55,6 @@ class FSDPPluginBase(DPPluginBase):
         self.mp_policy, self.root_mp_policy = mp_policy, root_mp_policy or mp_policy
         self.offload_policy, self.wrap_policy = offload_policy, wrap_policy
         self.mesh = make_mesh(layout, self.device)
-
-    @property
-    def dp_group(self) -> ProcessGroup:
-        return dist.group.WORLD
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size
 
     def support_no_sync(self) -> bool:
         return False

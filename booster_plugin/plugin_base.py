@@ -11,6 +11,7 @@ from typing import Any, Callable, ContextManager, Optional, Protocol, Type
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.data import DataLoader, Dataset
@@ -103,6 +104,25 @@ class DPPluginBase(Plugin):
         sampler = sampler_cls(dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle, seed=seed)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, worker_init_fn=_WorkerSeed(seed),
                           drop_last=drop_last, pin_memory=pin_memory, num_workers=num_workers, **kwargs)
+
+
+class WorldDPPluginBase(DPPluginBase):
+    """A data-parallel plugin over the whole world (TorchDDPPlugin, the FSDP2 plugins): dp is every rank, in
+    `self.rank` / `self.world_size` order."""
+    rank: int
+    world_size: int
+
+    @property
+    def dp_group(self) -> ProcessGroup:
+        return dist.group.WORLD
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
 
 
 class _WorkerSeed:

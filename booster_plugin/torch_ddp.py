@@ -8,7 +8,6 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -16,12 +15,12 @@ from torch.utils.data import DataLoader
 from .checkpoint.ddp_io import TorchDDPCheckpointIO, ddp_context
 from .launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
 from .optimizer_wrapper import OptimizerWrapper
-from .plugin_base import DPPluginBase
+from .plugin_base import WorldDPPluginBase
 
 __all__ = ["TorchDDPPlugin", "OptimizerWrapper"]
 
 
-class TorchDDPPlugin(DPPluginBase):
+class TorchDDPPlugin(WorldDPPluginBase):
     """ColossalAI's TorchDDPPlugin, every argument by name: the model wrapped in torch's DistributedDataParallel
     over the world (its arguments as given), the optimizer in OptimizerWrapper. Precision is the model's own (as in
     ColossalAI, this plugin does not control it). No pipeline: `execute_pipeline` is refused.
@@ -47,18 +46,6 @@ class TorchDDPPlugin(DPPluginBase):
                           "dtype (ColossalAI compresses them to fp8 on GPUs). Results are unaffected.", stacklevel=2)
         self.device = default_device()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-
-    @property
-    def dp_group(self) -> ProcessGroup:
-        return dist.group.WORLD
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size
 
     def configure(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                   criterion: Optional[Callable] = None, dataloader: Optional[DataLoader] = None, lr_scheduler=None):

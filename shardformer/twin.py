@@ -163,7 +163,7 @@ def trace_calls(model: nn.Module, batch: Dict[str, torch.Tensor]) -> List[Call]:
         tensors = _tensor_arguments(module, args, kwargs)
         x = tensors[0][1] if tensors else None
         alive.extend(t for _, t in tensors)
-        first = args[0] if args else None
+        first = args[0] if args else next(iter(kwargs.values()), None)
         calls.append(Call(path, True, id(x) if x is not None else None,
                           isinstance(first, torch.Tensor) and not first.is_floating_point(),
                           tuple((name, tuple(t.shape)) for name, t in tensors)))

@@ -4,8 +4,11 @@ small twin at boost; GPT-J (which declares plans in transformers 5) trains exact
 structure instead, which equals its declared one; a wrong plan is refused by the proof, naming the module."""
 import pytest
 from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, GPTJConfig, GPTJForCausalLM,
-                          OPTForCausalLM, OPTForSequenceClassification)
+                          GPTNeoXJapaneseConfig, GPTNeoXJapaneseForCausalLM, OPTForCausalLM,
+                          OPTForSequenceClassification)
 
+from booster_plugin import Booster, HybridParallelPlugin
+from hp_check.tiny import tiny_config
 from shardformer.policies import PlanRefused, TransformersPlanPolicy, get_autopolicy
 from shardformer.policies.bloom import BloomPolicy
 from shardformer.policies.falcon import FalconPolicy
@@ -48,6 +51,11 @@ def test_policy_sources():
     for kind, source in (("opt_inferred_lm", InferredPolicy), ("opt_inferred_cls", InferredPolicy),
                          ("bloom_lm", BloomPolicy), ("falcon_lm", FalconPolicy)):
         assert type(get_autopolicy(mu.build(kind, 2))) is source, kind
+    # a fused projection whose head layout the structure does not tell: refused, with the reason
+    japanese = GPTNeoXJapaneseForCausalLM(tiny_config(GPTNeoXJapaneseConfig, num_hidden_layers=2))
+    with pytest.raises(PlanRefused, match=r"Nor can a plan be inferred.*'layers\.0\.attention\.query_key_value' "
+                                          r"does not say whether its heads are interleaved"):
+        get_autopolicy(japanese)
 
 
 def test_inferred_equals_declared_plan():
@@ -69,7 +77,7 @@ def test_exact_at_tp2_pp2(kind):
 
 
 class _WrongOPT(InferredPolicy):
-    """OPT's inferred plan with its row-parallel out_proj declared column-parallel."""
+    """OPT's inferred plan with v_proj split as two fused areas: a wrong layout of its heads."""
 
 
 def _refused():
@@ -78,9 +86,14 @@ def _refused():
     wrong = _WrongOPT(**{k: getattr(policy, k) for k in ("layers", "entry", "exit", "head_tp_plan", "tp_attributes",
                                                            "tp_input_regions", "local_rng_modules")},
                       tp_plan={**policy.tp_plan, "decoder.layers.*.self_attn.v_proj": Colwise(n_fused=2)})
-    with pytest.raises(PlanRefused, match=r"decoder\.layers\.0\.self_attn\.out_proj"):
+    with pytest.raises(PlanRefused, match=r"output of 'model\.decoder\.layers\.0\.self_attn\.out_proj'.* differs"):
         mu.check_training("opt_inferred_lm", steps=1, tp_size=2, pp_size=2, num_microbatches=2, custom_policy=wrong)
+    # Falcon's old multi-query attention ([all q, one k, one v]) does not split like its other layouts: refused
+    multi_query = FalconForCausalLM(FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                                 num_attention_heads=4, multi_query=True, ffn_hidden_size=64))
+    with pytest.raises(PlanRefused, match=r"FalconPolicy is refused.* fails in 'transformer\.h\.0\.self_attention'"):
+        Booster(plugin=HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=2)).boost(multi_query)
 
 
-def test_wrong_plan_refused_naming_module():
+def test_wrong_plans_refused_naming_the_module():
     run_distributed(4, _refused)

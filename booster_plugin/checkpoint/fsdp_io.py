@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from ..fsdp_model import fsdp_module, hf_class_name
 from ..optimizer_wrapper import OptimizerWrapper
 from .atomic import replace_file, resolve_dir, swap_into_place
-from .ddp_io import OPTIMIZER_JSON, OPTIMIZER_TENSORS, TorchDDPCheckpointIO
+from .ddp_io import OPTIMIZER_JSON, OPTIMIZER_TENSORS, TorchDDPCheckpointIO, _no_commit, _tied_targets
 from .format import (CHECKSUM_KEY, TORCH_SUFFIXES, Entry, file_checksums, from_json, read_json, to_json, write_json,
                      write_tensor_file)
 from .jobs import agree, describe, listed
@@ -46,15 +46,6 @@ __all__ = ["FSDPCheckpointIO"]
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0 only
 _SCATTER = StateDictOptions(full_state_dict=True, strict=False)      # each rank keeps its slices of full tensors
 _FORMAT = "fsdp-full-state-dict"
-
-
-def _no_commit() -> None:
-    """Ranks other than 0 neither write nor commit."""
-
-
-def _tied_targets(module: nn.Module) -> Dict[str, str]:
-    keys = getattr(module, "all_tied_weights_keys", None)
-    return dict(keys) if isinstance(keys, dict) else {}
 
 
 class FSDPCheckpointIO(TorchDDPCheckpointIO):

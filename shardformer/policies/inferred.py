@@ -5,8 +5,9 @@ sizes); the policy is proven by another before it is used (proven.py, prove.py),
 - Layers: the ModuleList of same-class blocks with the most parameters (several large ones, e.g. an encoder's and a
   decoder's, are refused).
 - Entry / exit: the modules with parameters beside the layer list (children of it and of its ancestors in the base
-  model) called before the first layer / after the last one. Entry: the first embedding of integer inputs is the
-  stage input (a stand-in elsewhere), later embeddings give zeros, norms / projections / dropouts are identities.
+  model) called before the first layer / after the last one. Entry: the first embedding looking up an integer tensor
+  is the stage input (a stand-in elsewhere), later ones give zeros, norms / projections / dropouts are identities; an
+  embedding of something else (positions from a shape) has no stand-in and is kept by every stage (gradients summed).
   A module with parameters that runs among the layers (or both before and after them) is refused.
 - Tensor parallel, per layer, from the order of its Linear / Conv1D calls: consecutive calls of one module's
   children on the same tensor (q, k, v; fc1; gate, up) are column-parallel when the next call reads their width and
@@ -14,10 +15,16 @@ sizes); the policy is proven by another before it is used (proven.py, prove.py),
   its areas where its name says how (`c_attn`, `qkv_proj`, `gate_up_proj`, ...: concatenated); `query_key_value` does
   not say whether it interleaves heads and is refused (BLOOM and Falcon have hand-written policies). Other Linears
   stay replicated, which is exact. Every layer must give the same plan.
-- Attributes: integers counting heads (`num_heads`, `n_head`, ...; and `split_size`, `all_head_size`) in the modules
-  around a column/row pair are divided by tp. Dropout modules between a pair act on split activations: per-rank masks.
+- Attributes: integers counting heads (`num_heads`, `n_head`, ...) in the modules around a column/row pair, and in
+  the module holding the column layers its widths of the split features (`embed_dim`, `all_head_size`,
+  `split_size`, ...), are divided by tp. Tensors that module receives with a dimension per head (an ALiBi bias, a
+  per-head mask: (batch, heads, ...), (batch * heads, ...) or (heads, ...)) reach it as the rank's heads' slice.
+  Dropout modules between a pair act on split activations: per-rank masks.
 - An embedding with a row per vocabulary entry is vocab-parallel, and so is a head Linear with an output per entry
   (tied weights are found by identity when sharding).
+
+What the structure cannot show (a module reshaping with its input's full width, a norm over split features, a
+convolution over split channels) the proof shows: such a plan is refused, naming the module.
 """
 from __future__ import annotations
 
@@ -251,7 +258,9 @@ def _one_layer(base: nn.Module, layer: str, spans: Dict[str, Span], config) -> L
             regions.add(rel(owner))
         region = _common_parent([_parent(p) for p in (*group, row)])
         found = _divided_attributes(base, region, owner if owner != layer else None, config, row_in)
-        attributes.update({rel(p) if p != layer else "": a for p, a in found.items()})
+        for p, attrs in found.items():  # (merged: a later pair's region may hold an earlier pair's module)
+            key = rel(p) if p != layer else ""
+            attributes[key] = tuple(sorted(set(attributes.get(key, ())) | set(attrs)))
         split = _per_head_arguments(base, owner, spans, _heads(config)) if owner != layer else None
         if split is not None:
             tp[rel(owner)] = split

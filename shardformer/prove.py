@@ -10,7 +10,10 @@ collective of the real model.
 Cost: a twin of one layer per virtual stage (at least two) with a few heads per tp rank and 8-dim heads (about 30k
 parameters for OPT, BLOOM or GPT-J), built, copied and sharded on every rank; one forward and backward of a 2 x 8 batch
 whole and sharded, the pipeline hops between stages, two all-gathers of the verdict. Verdicts are remembered per
-process, by model class, config, plan and layout.
+process, by model class, config, plan and layout. The twin has no dropout and runs in fp32 whatever the job's
+precision (the plan is proven, not the precision); sequence and expert parallelism are left out (they have their own
+checks); the job's RNG is left as it was. The comparison mirrors hp_check's (its checker drives the plugin from
+above the library, so it is not imported here).
 """
 from __future__ import annotations
 
@@ -73,7 +76,8 @@ def _prove(policy, cfg, sm) -> Optional[str]:
         try:
             twin = build_twin(model, tp, max(2, stages)).to(device)
         except Exception as error:  # noqa: BLE001  (a config this shrinking does not fit: alike on every rank)
-            return f"{what.split(': one forward')[0]}: no small twin of the model can be built to prove it ({_say(error)})."
+            refused = what.split(": one forward")[0]
+            return f"{refused}: no small twin of the model can be built to prove it ({_say(error)})."
         reference = copy.deepcopy(twin)
         batch = synthetic_batch(twin, device=device)
         twin_policy = policy.twin_policy()
@@ -145,7 +149,8 @@ def _checkpoints(model: nn.Module, policy) -> List[str]:
                                 or isinstance(style, Rowwise)):
             found.append(path)
         elif rel is None and path and "." not in path and not any(  # (a head holding a vocab-split layer: split)
-                isinstance(s, VocabHead) and (p == path or p.startswith(path + ".")) for p, s in policy.head_tp_plan.items()):
+                isinstance(s, VocabHead) and (p == path or p.startswith(path + "."))
+                for p, s in policy.head_tp_plan.items()):
             found.append(path)
     return found
 

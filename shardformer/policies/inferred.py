@@ -154,13 +154,17 @@ def _features(module: nn.Module) -> Tuple[int, int]:
 
 
 def _layer_list(base: nn.Module, name: str) -> str:
-    lists = [(p, m) for p, m in base.named_modules() if isinstance(m, nn.ModuleList) and len(m)
-             and len({type(x) for x in m}) == 1 and _count(m)]
+    lists = [(p, m) for p, m in base.named_modules() if isinstance(m, nn.ModuleList) and len(m) and _count(m)]
     outer = [(p, m) for p, m in lists if not any(p.startswith(q + ".") for q, _ in lists)]
     if not outer:
         raise PlanRefused(f"no plan can be inferred for {name}: {type(base).__name__} has no list of layers.")
     largest = max(_count(m) for _, m in outer)
     big = [p for p, m in outer if _count(m) * 4 >= largest]
+    mixed = [p for p in big if len({type(x) for x in base.get_submodule(p)}) > 1]
+    if mixed:
+        kinds = sorted({type(x).__name__ for x in base.get_submodule(mixed[0])})
+        raise PlanRefused(f"no plan can be inferred for {name}: its layer list '{mixed[0]}' mixes block classes "
+                          f"({', '.join(kinds)}), whose plans may differ.")
     if len(big) != 1:
         raise PlanRefused(f"no plan can be inferred for {name}: {type(base).__name__} has several layer lists "
                           f"({', '.join(big)}), e.g. an encoder's and a decoder's; a pipeline needs a policy that "

@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import re
-import sys
 import time
 import traceback
 

@@ -122,7 +122,8 @@ def _divisible(x: Tensor, dim: int, group: ProcessGroup | None) -> int:
 
 def _own_chunk(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     step = x.size(dim) // _divisible(x, dim, group)
-    return x.narrow(dim, dist.get_rank(group) * step, step).contiguous()
+    # a copy: a contiguous narrow is a view that would keep the whole tensor's storage alive for backward
+    return x.narrow(dim, dist.get_rank(group) * step, step).clone(memory_format=torch.contiguous_format)
 
 
 def all_gather_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:

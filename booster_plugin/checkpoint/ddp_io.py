@@ -221,6 +221,14 @@ def _read_optimizer(optim: torch.optim.Optimizer, checkpoint: str, reads: Tensor
 def _read(module: nn.Module, checkpoint: str, strict: bool,
           reads: TensorReads) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """(model tensor, its checkpoint value) for every key the checkpoint has; raises on a problem."""
+    own = module.state_dict()
+    return [(own[key], value) for key, value in read_state(module, checkpoint, strict, reads).items()]
+
+
+def read_state(module: nn.Module, checkpoint: str, strict: bool, reads: TensorReads) -> Dict[str, torch.Tensor]:
+    """{key: checkpoint tensor} for every key of the model's state dict the checkpoint has (shapes checked against
+    the state dict's: DTensors give their full shape), checksums verified; tied targets may be absent; `strict`:
+    a missing or unexpected key is an error."""
     files = locate(checkpoint)
     own = module.state_dict()
     tied = _tied_targets(module)
@@ -229,7 +237,7 @@ def _read(module: nn.Module, checkpoint: str, strict: bool,
     if strict and (missing or unexpected):
         raise KeyError(f"{checkpoint} does not match the model: missing {listed(missing)}, unexpected "
                        f"{listed(unexpected)} (load_model(..., strict=False) skips them)")
-    pending = []
+    state = {}
     for key in own:
         if key not in files.weight_map:
             continue
@@ -239,6 +247,6 @@ def _read(module: nn.Module, checkpoint: str, strict: bool,
             raise ValueError(f"{f.path}: tensor {key!r} has shape {tuple(value.shape)}, the model's is "
                              f"{tuple(own[key].shape)}")
         reads.expect(f, key, files.checksums)
-        pending.append((own[key], value))
+        state[key] = value
     reads.verify()
-    return pending
+    return state

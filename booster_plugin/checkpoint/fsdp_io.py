@@ -31,13 +31,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from ..fsdp_model import fsdp_module, hf_class_name
 from ..optimizer_wrapper import OptimizerWrapper
 from .atomic import replace_file, resolve_dir, swap_into_place
-from .ddp_io import OPTIMIZER_JSON, OPTIMIZER_TENSORS, TorchDDPCheckpointIO, _no_commit, _tied_targets
-from .format import (CHECKSUM_KEY, TORCH_SUFFIXES, Entry, file_checksums, from_json, read_json, to_json, write_json,
+from .ddp_io import OPTIMIZER_JSON, OPTIMIZER_TENSORS, TorchDDPCheckpointIO, _no_commit, _tied_targets, read_state
+from .format import (TORCH_SUFFIXES, Entry, from_json, read_json, to_json, write_json,
                      write_tensor_file)
 from .jobs import agree, describe, listed
-from .model import FILE_SUFFIXES, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
-from .model_load import locate
-from .model_save import save_config
+from .gather import TensorPlan
+from .model import FILE_SUFFIXES
+from .model_save import file_plan, save_config, write_index
 from .reads import TensorReads, guarded_read
 from .save import LocalPhase, collective_save
 
@@ -85,7 +85,7 @@ class FSDPCheckpointIO(TorchDDPCheckpointIO):
         self.synchronize()
         module = fsdp_module(model)
         path = os.fspath(checkpoint)
-        state, error = guarded_read(lambda reads: _read_model(module, path, strict, reads), verify_checksums,
+        state, error = guarded_read(lambda reads: read_state(module, path, strict, reads), verify_checksums,
                                     num_threads)
         agree(error, f"load_model({checkpoint!r})", self.context.device)
         set_model_state_dict(module, state, options=_SCATTER)
@@ -152,22 +152,11 @@ class _ModelFiles:
 
     def __init__(self, path: str, single: bool, shard: bool, base: str, size_per_shard: float) -> None:
         self.path, self.single, self.shard, self.base = path, single, shard, base
-        self.limit = max(float(size_per_shard), 0.0) * 1024 * 1024
+        self.size_per_shard = size_per_shard
 
     def files(self, entries: List[Entry]) -> List[Tuple[str, List[Entry]]]:
         """[(file name, its entries)]: one file, or consecutive runs of about `size_per_shard` MB."""
-        if not self.shard:
-            return [(self.base + SAFE_WEIGHTS_NAME, entries)]
-        runs: List[List[Entry]] = [[]]
-        size = 0
-        for e in entries:
-            if runs[-1] and size + e.nbytes > self.limit:
-                runs.append([])
-                size = 0
-            runs[-1].append(e)
-            size += e.nbytes
-        n = len(runs)
-        return [(f"{self.base}model-{i + 1:05d}-of-{n:05d}.safetensors", run) for i, run in enumerate(runs)]
+        return file_plan(TensorPlan(entries, {e.name: 0 for e in entries}), self.shard, self.size_per_shard, self.base)
 
 
 def _commit_model(module: nn.Module, state: Dict[str, torch.Tensor], layout: _ModelFiles, tmp: str) -> None:
@@ -181,43 +170,12 @@ def _commit_model(module: nn.Module, state: Dict[str, torch.Tensor], layout: _Mo
     for name, file_entries in files:
         write_tensor_file(os.path.join(tmp, name), file_entries, (state[e.name] for e in file_entries))
     if layout.shard:
-        checksums: Dict[str, str] = {}
-        for name, _ in files:
-            checksums.update(file_checksums(os.path.join(tmp, name)))
-        write_json(os.path.join(tmp, layout.base + SAFE_WEIGHTS_INDEX_NAME), {
-            "metadata": {"total_size": sum(e.nbytes for e in entries)},
-            "weight_map": {e.name: name for name, fe in files for e in fe},
-            "checksums": {"algorithm": CHECKSUM_KEY, "tensors": checksums}})
+        write_index(tmp, layout.base, files, lambda name: name)
     save_config(module, tmp, entries)
     config = os.path.join(tmp, "config.json")
     if os.path.isfile(config):  # FSDP2 renamed the class (FSDPLlamaForCausalLM): the model's own name
         write_json(config, {**read_json(config, "config"), "architectures": [hf_class_name(module)]})
     swap_into_place(layout.path)
-
-
-def _read_model(module: nn.Module, checkpoint: str, strict: bool, reads: TensorReads) -> Dict[str, torch.Tensor]:
-    """{key: full tensor} for every key of the model the checkpoint has; raises on a problem."""
-    files = locate(checkpoint)
-    own = module.state_dict()  # DTensors: .shape is the full shape
-    tied = _tied_targets(module)
-    missing = [k for k in own if k not in files.weight_map and k not in tied]
-    unexpected = [k for k in files.weight_map if k not in own]
-    if strict and (missing or unexpected):
-        raise KeyError(f"{checkpoint} does not match the model: missing {listed(missing)}, unexpected "
-                       f"{listed(unexpected)} (load_model(..., strict=False) skips them)")
-    state = {}
-    for key in own:
-        if key not in files.weight_map:
-            continue
-        f = reads.open(os.path.join(files.directory, files.weight_map[key]))
-        value = f.read(key)
-        if tuple(value.shape) != tuple(own[key].shape):
-            raise ValueError(f"{f.path}: tensor {key!r} has shape {tuple(value.shape)}, the model's is "
-                             f"{tuple(own[key].shape)}")
-        reads.expect(f, key, files.checksums)
-        state[key] = value
-    reads.verify()
-    return state
 
 
 # -- optimizer files -----------------------------------------------------------------------------------------------

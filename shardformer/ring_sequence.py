@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from .layer.ring_attention import RingAttention
-from .ulysses import ShardPositionEmbeddings, own_attention, point_layers_at
+from .ulysses import ShardPositionEmbeddings, layers_config, own_attention, point_layers_at
 
 __all__ = ["RING", "use_ring_attention"]
 
@@ -39,7 +39,7 @@ def use_ring_attention(model: nn.Module, layers: Sequence[nn.Module], group: Pro
     """Point the layers' attention at ring attention over `group` and cut their rotary tables zigzag. The ring reads
     the mask the model's own forward built (sdpa's or eager's: a 4-D mask of the whole sequence, or None for a plain
     causal row), so it attends exactly where one process would (padding, packed documents, sliding windows)."""
-    implementation = model.base_model.config._attn_implementation
+    implementation = layers_config(model, layers)._attn_implementation
     if implementation not in ("sdpa", "eager"):
         raise NotImplementedError(f"sequence_parallelism_mode='ring_attn' reads the attention mask the model builds "
                                   f"for attn_implementation 'sdpa' or 'eager'; this model uses {implementation!r}, "

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map_only
 
 from .layer.comm import all_to_all
 
-__all__ = ["SEQUENCE_DIM", "OwnAttention", "ShardPositionEmbeddings", "use_ulysses_attention", "point_layers_at", "own_attention"]
+__all__ = ["SEQUENCE_DIM", "OwnAttention", "ShardPositionEmbeddings", "layers_config", "use_ulysses_attention", "point_layers_at", "own_attention"]
 
 SEQUENCE_DIM = 1  # hidden states are (batch, sequence, hidden) in the models' layers
 ULYSSES = "hybrid_parallel_ulysses"  # the attention implementation name the all_to_all layers' attention sees
@@ -91,7 +91,7 @@ def point_layers_at(model: nn.Module, layers: Sequence[nn.Module], name: str, fu
     each layer the forward pre-hook `cut_tables` (the rotary tables cut to the rank's part of the sequence)."""
     from transformers import AttentionInterface
 
-    config = model.base_model.config
+    config = layers_config(model, layers)
     implementation = config._attn_implementation
     view = copy.copy(config)
     object.__setattr__(view, "_attn_implementation_internal", name)  # no setter: it would recurse into sub-configs
@@ -111,6 +111,16 @@ def point_layers_at(model: nn.Module, layers: Sequence[nn.Module], name: str, fu
                                           f"has none to wrap; load the model with attn_implementation='sdpa'.")
             module.config = view
             module.hybrid_parallel_attention = make_spec(implementation, eager)
+
+
+def layers_config(model: nn.Module, layers: Sequence[nn.Module]):
+    """The config the layers' modules read (the model's; a vision-language model's text config)."""
+    for layer in layers:
+        for module in layer.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "_attn_implementation"):
+                return config
+    return model.base_model.config
 
 
 def own_attention(module: nn.Module):

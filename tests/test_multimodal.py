@@ -248,3 +248,14 @@ def test_splits_the_models_own_forward_cannot_run_are_refused():
         policy.set_pipeline_stage_manager(_TwoStages())
         with pytest.raises(NotImplementedError, match=error):
             policy.layers_per_stage()
+
+
+def _sequence_parallel() -> None:
+    # sequence parallelism over its own group on vision-language models: the layers read the text config
+    for kind in ("llava", "qwen2_5_vl", "gemma3"):
+        for mode in ("all_to_all", "ring_attn"):
+            mu.check_training(kind, sp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode=mode)
+
+
+def test_vision_language_models_under_sequence_parallelism():
+    run_distributed(2, _sequence_parallel)

@@ -5,6 +5,8 @@ Each check depends only on the call's arguments (the same on every rank of a scr
 """
 from __future__ import annotations
 
+import json
+
 import hashlib
 import weakref
 from typing import Any, Mapping, Optional
@@ -58,7 +60,17 @@ def agree_on_model(model: nn.Module) -> None:
     agree_on_values("The ranks built different models", "build the same model on every rank (the same config, e.g. "
                     "from_pretrained of the same checkpoint, or the same config arguments)",
                     {"parameters": len(params), "parameter names, shapes and dtypes (digest)": _digest("|".join(params)),
-                     "config (digest)": _digest(repr(sorted(settings.items())))})
+                     "config (digest)": _digest(json.dumps(_canonical(settings), default=repr))})
+
+
+def _canonical(value: Any) -> Any:
+    """`value` with every dict's items in key order at every depth (a config may build a nested dict from a set,
+    whose order changes with each process's hash seed), keys as strings."""
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def check_step_arguments(model: Any, criterion: Any, optimizer: Any) -> None:

@@ -225,3 +225,14 @@ def test_vocab_parallel_loss_refuses_float_labels():
     with pytest.raises(TypeError, match="labels have dtype torch.float32, but the vocab-parallel cross-entropy takes "
                                         "token ids: pass integer labels"):
         vocab_parallel_cross_entropy(torch.randn(6, 10), torch.ones(6), None, 0)
+
+
+def test_config_digest_ignores_nested_key_order():
+    """A config that builds a nested dict from a set (order follows each process's hash seed) digests alike."""
+    import json
+
+    from booster_plugin.usage_checks import _canonical
+    one = {"rope_parameters": {"sliding": {"theta": 1}, "full": {"theta": 2}}, "id2label": {0: "a", 1: "b"}}
+    two = {"id2label": {1: "b", 0: "a"}, "rope_parameters": {"full": {"theta": 2}, "sliding": {"theta": 1}}}
+    assert json.dumps(_canonical(one)) == json.dumps(_canonical(two))
+    assert json.dumps(_canonical(one)) != json.dumps(_canonical({**one, "id2label": {0: "a", 1: "c"}}))

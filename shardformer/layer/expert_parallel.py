@@ -15,7 +15,9 @@ forward:
   added up per token.
 
 Both exchanges are autograd functions doing their collectives in a fixed order, so backward runs the same
-all-to-alls in reverse on every rank. A rank that receives no tokens still ties what it received and its expert
+all-to-alls in reverse on every rank. A dispatch sends the rows, routing weights and expert indices as one byte-packed
+all-to-all (its backward the two gradients as one): per layer and microbatch, a count exchange and four row
+exchanges (two forward, two backward). A rank that receives no tokens still ties what it received and its expert
 parameters into the graph with a zero term: its dispatch's backward exchange runs (the senders wait for it), and
 every rank produces a (zero) gradient for its experts in every backward, so the data-parallel buckets of expert
 gradients launch in the same order on every rank and nothing waits for a gradient that never comes.
@@ -26,6 +28,7 @@ split's hooks and combine after them (each tp rank exchanges with the ep ranks o
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
@@ -125,9 +128,8 @@ class _Exchange:
         local_index = torch.where(mine, index[send_tokens] - row_rank[:, None] * self.local, -1)
         row_weights = torch.where(mine, weights[send_tokens], torch.zeros((), dtype=weights.dtype,
                                                                           device=weights.device))
-        recv_hidden, recv_weights = _Dispatch.apply(hidden[send_tokens], row_weights, send_counts, recv_counts,
-                                                    self.group)
-        recv_index = _all_to_all(local_index, recv_counts, send_counts, self.group)
+        recv_hidden, recv_weights, recv_index = _Dispatch.apply(hidden[send_tokens], row_weights, local_index,
+                                                                send_counts, recv_counts, self.group)
         pair_rows, pair_choice = (recv_index >= 0).nonzero(as_tuple=True)      # one pair per local routed choice
         received = (recv_hidden, recv_weights, *(p for p in module.parameters(recurse=False) if p.requires_grad))
         self.pending.append(_Route(send_tokens, send_counts, recv_counts, pair_rows, hidden.shape[0], received))
@@ -171,35 +173,59 @@ def _exchange_counts(send_counts: List[int], group: ProcessGroup) -> List[int]:
     return theirs.tolist()
 
 
-def _all_to_all(x: Tensor, out_counts: List[int], in_counts: List[int], group: ProcessGroup,
-                counted: bool = False) -> Tensor:
+def _all_to_all(x: Tensor, out_counts: List[int], in_counts: List[int], group: ProcessGroup) -> Tensor:
     """Rows of `x` ([sum(in_counts), ...], grouped by destination rank) exchanged over `group`."""
     out = x.new_empty((sum(out_counts),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_counts, in_counts, group=group)
-    if counted:
-        me = dist.get_rank(group)
-        rows = sum(in_counts) - in_counts[me]
-        TRAFFIC.bytes_sent += rows * x[0:1].numel() * x.element_size()
     return out
 
 
+def _exchange_rows(parts: Tuple[Tensor, ...], out_counts: List[int], in_counts: List[int],
+                   group: ProcessGroup) -> Tuple[Tensor, ...]:
+    """Several row-aligned tensors (any dtypes) exchanged in ONE all-to-all: each row's bytes are laid side by side
+    and split apart again on arrival (bit-exact; one collective's latency instead of one per tensor). Counts the
+    first tensor's bytes sent to other ranks in TRAFFIC (the token activations; the others are routing data)."""
+    rows = parts[0].shape[0]
+    flat = [_dense_rows(t, rows) for t in parts]
+    sent = sum(in_counts) - in_counts[dist.get_rank(group)]
+    TRAFFIC.bytes_sent += sent * flat[0].shape[1] * flat[0].element_size()
+    if len(parts) == 1:
+        return (_all_to_all(parts[0], out_counts, in_counts, group),)
+    out = _all_to_all(torch.cat([f.view(torch.uint8) for f in flat], dim=1), out_counts, in_counts, group)
+    received, at = [], 0
+    for t, f in zip(parts, flat):
+        width = f.shape[1] * f.element_size()
+        part = out[:, at:at + width].clone(memory_format=torch.contiguous_format)  # own storage: aligned for the view
+        received.append(part.view(t.dtype).reshape((out.shape[0],) + t.shape[1:]))
+        at += width
+    return tuple(received)
+
+
+def _dense_rows(t: Tensor, rows: int) -> Tensor:
+    """`t` as [rows, features] with unit stride along features (a byte view needs it; autograd's zero gradients
+    may be expanded with stride 0 even where `is_contiguous()` holds)."""
+    flat = t.reshape(rows, math.prod(t.shape[1:]))
+    return flat if flat.stride(-1) == 1 and flat.is_contiguous() else flat.clone(memory_format=torch.contiguous_format)
+
+
 class _Dispatch(torch.autograd.Function):
-    """Token rows and their routing weights to the ranks holding their experts; backward sends the gradients of
-    both back (the two exchanges in one node, in a fixed order)."""
+    """Token rows, their routing weights and local expert indices to the ranks holding their experts, in one
+    exchange; backward sends the gradients of the rows and weights back (one exchange)."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weights: Tensor, send_counts: List[int], recv_counts: List[int],
-                group: ProcessGroup):
+    def forward(ctx, hidden: Tensor, weights: Tensor, index: Tensor, send_counts: List[int],
+                recv_counts: List[int], group: ProcessGroup):
         ctx.counts, ctx.group = (send_counts, recv_counts), group
         TRAFFIC.rows_sent += sum(send_counts) - send_counts[dist.get_rank(group)]
-        return (_all_to_all(hidden, recv_counts, send_counts, group, counted=True),
-                _all_to_all(weights, recv_counts, send_counts, group))
+        received = _exchange_rows((hidden, weights, index), recv_counts, send_counts, group)
+        ctx.mark_non_differentiable(received[2])
+        return received
 
     @staticmethod
-    def backward(ctx, grad_hidden: Tensor, grad_weights: Tensor):
+    def backward(ctx, grad_hidden: Tensor, grad_weights: Tensor, grad_index: Optional[Tensor]):
         send_counts, recv_counts = ctx.counts
-        return (_all_to_all(grad_hidden, send_counts, recv_counts, ctx.group, counted=True),
-                _all_to_all(grad_weights, send_counts, recv_counts, ctx.group), None, None, None)
+        grad_hidden, grad_weights = _exchange_rows((grad_hidden, grad_weights), send_counts, recv_counts, ctx.group)
+        return grad_hidden, grad_weights, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -208,9 +234,9 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: Tensor, recv_counts: List[int], send_counts: List[int], group: ProcessGroup):
         ctx.counts, ctx.group = (recv_counts, send_counts), group
-        return _all_to_all(out, send_counts, recv_counts, group, counted=True)
+        return _exchange_rows((out,), send_counts, recv_counts, group)[0]
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         recv_counts, send_counts = ctx.counts
-        return _all_to_all(grad, recv_counts, send_counts, ctx.group, counted=True), None, None, None
+        return _exchange_rows((grad,), recv_counts, send_counts, ctx.group)[0], None, None, None

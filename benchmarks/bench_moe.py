@@ -29,6 +29,10 @@ Layouts, in ONE run, interleaved in rounds with a rotating order (median of the 
                       each rank holds half of every expert's intermediate features), both ranks run the whole batch.
   ep=2                HybridParallelPlugin(ep_size=2): dp=2 = ep 2, each rank trains half the global batch, holds
                       4 of the 8 experts whole, tokens travel to their experts by all-to-all (dropless) and back.
+  dp=2                HybridParallelPlugin() on 2 ranks: each rank trains half the global batch with EVERY expert
+                      (replicated, no all-to-all; gradients averaged over dp). It does ep=2's compute with none of
+                      its exchanges, and needs all experts on each rank: the ceiling of ep=2's speed on this
+                      machine (ep_over_dp <= 1), so dp_over_tp bounds what ep_over_tp can reach here.
 tokens/s = global batch tokens / step wall time (barrier to barrier) for every layout: the whole job's throughput.
 
 Checked and reported:
@@ -74,7 +78,7 @@ NAME = "moe"
 WORLD = 2
 HIDDEN, LAYERS, EXPERTS, TOP_K, MOE_INTERMEDIATE = 256, 4, 8, 2, 512
 HEADS, KV_HEADS, HEAD_DIM, VOCAB, SEQ = 4, 2, 64, 1024, 256
-SINGLE, SINGLE_BOTH, TP, EPV = "one process", "one process x2", "tp=2", "ep=2"
+SINGLE, SINGLE_BOTH, TP, DP, EPV = "one process", "one process x2", "tp=2", "dp=2", "ep=2"
 ELEMENT = 4  # fp32 bytes
 
 
@@ -169,13 +173,14 @@ def build_tp(reference):
     return step, model
 
 
-def build_ep(reference, traffic: List[Dict], timer: A2ATimer):
-    plugin = HybridParallelPlugin(ep_size=2)
+def build_ep(reference, traffic: List[Dict], timer: A2ATimer, ep_size: int = 2):
+    """ep=2, or with ep_size=1 plain dp=2 (every expert on every rank, no exchange: the ceiling of ep=2's speed)."""
+    plugin = HybridParallelPlugin(ep_size=ep_size)
     booster = Booster(plugin=plugin)
     model, opt = C.boost_copy(booster, reference)
     rank, ep = plugin.dp_rank, plugin.dp_size
     current: List[torch.Tensor] = []
-    for mlp in moe_layers(model.unwrap()):  # the router's own top-k indices (Qwen3MoeTopKRouter returns
+    for mlp in moe_layers(model.unwrap()) if ep_size > 1 else ():  # the router's own top-k indices (Qwen3MoeTopKRouter returns
         # (logits, weights, indices)): the routing the ep model used, recorded apart from the exchange's code
         mlp.gate.register_forward_hook(lambda mod, args, out: current.append(out[2].detach()))
 
@@ -242,8 +247,9 @@ def run_config(name: str, experts: int, top_k: int, moe_intermediate: int, args,
     single_both_step, _ = build_single(reference, True)
     tp_step, tp_model = build_tp(reference)
     ep_step, ep_model, _ = build_ep(reference, ep_traffic, timer)
+    dp_step, _, _ = build_ep(reference, [], timer, ep_size=1)
     dog.disarm()
-    steps = {SINGLE: single_step, SINGLE_BOTH: single_both_step, TP: tp_step, EPV: ep_step}
+    steps = {SINGLE: single_step, SINGLE_BOTH: single_both_step, TP: tp_step, DP: dp_step, EPV: ep_step}
     names = list(steps)
 
     def forget_warmup():  # traffic and routing of the timed steps only
@@ -255,7 +261,7 @@ def run_config(name: str, experts: int, top_k: int, moe_intermediate: int, args,
     gathered = C.gather_per_rank(losses)
     per_step = {}
     for n in names:
-        if n == EPV:  # each rank has its half's loss: the global loss is their mean (equal label tokens)
+        if n in (EPV, DP):  # each rank has its half's loss: the global loss is their mean (equal label tokens)
             per_step[n] = [sum(g[n][s] for g in gathered) / WORLD for s in range(len(losses[n]))]
         else:
             per_step[n] = [next(g[n][s] for g in gathered if g[n][s] is not None) for s in range(len(losses[n]))]
@@ -319,7 +325,8 @@ def run_config(name: str, experts: int, top_k: int, moe_intermediate: int, args,
               "ep_over_one_process_min": min(times[SINGLE]) / min(times[EPV]),
               "ep_over_tp_busiest_rank_cpu": busiest_cpu[TP] / busiest_cpu[EPV],
               "ep_over_one_process_busiest_rank_cpu": busiest_cpu[SINGLE] / busiest_cpu[EPV],
-              "one_process_x2_over_one_process": speed(SINGLE_BOTH, SINGLE)}
+              "one_process_x2_over_one_process": speed(SINGLE_BOTH, SINGLE),
+              "ep_over_dp": speed(EPV, DP), "dp_over_tp": speed(DP, TP)}  # dp=2: ep's ceiling (no exchange)
     targets = {"ep_over_tp >= 1.3": ratios["ep_over_tp"] >= 1.3,
                "ep_over_one_process >= 1.5": ratios["ep_over_one_process"] >= 1.5,
                "expert bytes per rank == 1/ep": all(b[EPV][0] * ep == full_experts for b in per_rank_bytes),

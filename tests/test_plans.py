@@ -78,11 +78,24 @@ def test_derived_policies_train_exactly(kinds):
 
 
 def test_checker_cli_names_the_wrong_gradient(capsys):
-    """`python -m shardformer.check` spawns its own processes and names the first differing parameter."""
+    """The checker spawns its own processes and names the first differing parameter."""
     assert check_main(["Qwen3ForCausalLM", "--tp", "2", "--pp", "1",
                        "--policy", "tests.test_plans:Qwen3WithoutNormSum"]) == 1
     assert "FAIL Qwen3ForCausalLM tp=2 pp=1: gradient of model.layers.0.self_attn.q_norm.weight" in \
         capsys.readouterr().out
+
+
+def test_shardformer_check_is_the_checker_and_shardformer_stays_below_it():
+    """`python -m shardformer.check` runs the checker (its usage, exit status 0); importing shardformer loads neither
+    the checker nor booster_plugin (the layers above it)."""
+    import subprocess
+    import sys
+    probe = ("import runpy, sys, shardformer, shardformer.policies, shardformer.sharder; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('hp_check', 'booster_plugin'))); "
+             "sys.argv[1:] = ['--help']; runpy.run_module('shardformer.check', run_name='__main__')")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.startswith("[]\n"), run
+    assert "usage: python -m hp_check" in run.stdout and "--policy" in run.stdout, run
 
 
 def test_checker_cli_tells_a_launch_failure_from_a_mismatch(capsys, monkeypatch):

@@ -124,11 +124,15 @@ def test_checker_on_a_saved_classifier_directory(tmp_path, capfd):
 
 
 def test_refusals_name_module_and_style():
-    """A plan that cannot be honoured exactly is refused before any collective, naming module and style."""
+    """A plan that cannot be honoured exactly is refused before any collective, naming module and style; a known
+    style we cannot apply only where the model is tensor-split (tp_size > 1: pp, dp and ep still train it)."""
     model = mu.MODELS["qwen3_lm"]()
     model._tp_plan = {**model._tp_plan, "model.layers.*.mlp": "all_reduce"}
-    with pytest.raises(PlanRefused, match=r"'layers\.\*\.mlp' uses style 'all_reduce': an all-reduce after a module"):
-        get_autopolicy(model)
+    policy = get_autopolicy(model)
+    policy.check_tp(model.config, 1)
+    with pytest.raises(PlanRefused, match=r"cannot be tensor-parallel: tp plan of 'layers\.\*\.mlp' uses style "
+                                          r"'all_reduce': an all-reduce after a module.* Use tp_size=1"):
+        policy.check_tp(model.config, 2)
     model = mu.MODELS["qwen3_lm"]()
     model._tp_plan = {**model._tp_plan, "model.layers.*.mlp.up_proj": "diagonal"}  # the plan transformers built
     with pytest.raises(PlanRefused, match=r"'layers\.\*\.mlp\.up_proj' uses style 'diagonal'"):

@@ -68,6 +68,11 @@ class PlanRefused(NotImplementedError):
     """The model's plans cannot be honoured exactly; the message names the module and the reason."""
 
 
+class UnsupportedStyle(PlanRefused):
+    """A known tp style (REFUSED) this library cannot apply. It matters only where the model is tensor-split: the
+    policy refuses it at tp_size > 1 (check_tp) and, with tp_size == 1, trains the model on the other axes."""
+
+
 def style_of(name, path: str, head: bool, config=None):
     """Our style for a transformers style name (read defensively: case, spaces, unknown names)."""
     key = name.strip().lower() if isinstance(name, str) else None
@@ -78,7 +83,7 @@ def style_of(name, path: str, head: bool, config=None):
                               f"config.qk_rope_head_dim features; this config has none.")
         return SharedTailGrad(rope)
     if key in REFUSED:
-        raise PlanRefused(f"tp plan of '{path}' uses style '{name}': {REFUSED[key]}.")
+        raise UnsupportedStyle(f"tp plan of '{path}' uses style '{name}': {REFUSED[key]}.")
     if key not in STYLES:
         raise PlanRefused(f"tp plan of '{path}' uses style {name!r}, which this library does not know; known: "
                           f"{', '.join(sorted(STYLES))}. Write a shardformer.Policy for this model "
@@ -102,10 +107,9 @@ class TransformersPlanPolicy(Policy):
         pp_own, tp_own = plans or (getattr(model, "_pp_plan", None), getattr(model, "_tp_plan", None))
         pp_plan = split_at_base(pp_own or {}, prefix)
         base_plan, head_plan = split_at_base(tp_own or {}, prefix)
-        self.tp_plan = {p: s for p, s in ((p, style_of(n, p, False, model.config)) for p, n in base_plan.items())
-                        if s is not None}
-        self.head_tp_plan = {p: s for p, s in ((p, style_of(n, p, True, model.config)) for p, n in head_plan.items())
-                             if s is not None}
+        self.unsupported: Dict[str, str] = {}  # plan pattern -> why its style cannot be applied (tp > 1 only)
+        self.tp_plan = self._styles(base_plan, False, model.config)
+        self.head_tp_plan = self._styles(head_plan, True, model.config)
         names = list(pp_plan[0]) or structural_pp_plan(model.base_model, base_plan)
         self.layers, self.entry, self.exit = self._split_pipeline(model.base_model, names)
         self._split_raw_parameters(model.base_model)
@@ -119,6 +123,19 @@ class TransformersPlanPolicy(Policy):
         splits_heads = any(not s.gather_output for p, s in self.tp_plan.items() if isinstance(s, Colwise))
         self.tp_divisible = tuple(a for a in ("num_attention_heads", "num_key_value_heads")
                                   if splits_heads and all(isinstance(v, int) for v in _values(config, a)))
+
+    def _styles(self, plan: Dict[str, object], head: bool, config) -> Dict[str, object]:
+        """Our styles of a plan's entries (none for replicated ones); an UnsupportedStyle is kept aside."""
+        styles = {}
+        for pattern, name in plan.items():
+            try:
+                style = style_of(name, pattern, head, config)
+            except UnsupportedStyle as refused:
+                self.unsupported[pattern] = str(refused)
+                continue
+            if style is not None:
+                styles[pattern] = style
+        return styles
 
     def _split_pipeline(self, base: nn.Module, names: List[str]) -> Tuple[str, Dict[str, str], Tuple[str, ...]]:
         lists = [i for i, n in enumerate(names) if isinstance(find_submodule(base, n), nn.ModuleList)]
@@ -190,7 +207,11 @@ class TransformersPlanPolicy(Policy):
     def check_tp(self, config, tp_size: int) -> None:
         """As Policy.check_tp; with more tp ranks than key/value heads (a multiple of them), the key/value
         projections are replicated instead (KVHeads) and each attention repeats its kv head for fewer query heads.
-        A config feature the plan cannot honour (INEXACT_TP) is refused."""
+        A config feature the plan cannot honour (INEXACT_TP), or a plan style we cannot apply, is refused."""
+        if tp_size > 1 and self.unsupported:
+            raise PlanRefused(f"{type(self.model).__name__} cannot be tensor-parallel: "
+                              f"{next(iter(self.unsupported.values()))} Use tp_size=1: without tensor parallelism the "
+                              f"style does not apply, and pipeline, data and expert parallelism do.")
         _refuse_features(self.model, INEXACT_TP if tp_size > 1 else {}, "tensor", "tp_size=1 (pipeline and data "
                          "parallel)")
         per_layer = {a: _values(config, a) for a in self.tp_divisible if len(_values(config, a)) > 1}

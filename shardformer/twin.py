@@ -16,7 +16,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["TWIN_VOCAB", "twin_config", "build_twin", "synthetic_batch", "image_batch", "Call", "trace_calls"]
+from .image_batches import image_batch
+
+__all__ = ["TWIN_VOCAB", "twin_config", "build_twin", "synthetic_batch", "Call", "trace_calls"]
 
 TWIN_VOCAB, TWIN_HEAD_DIM, TWIN_POSITIONS = 100, 8, 64
 SEQ, BATCH = 8, 2
@@ -140,21 +142,6 @@ def synthetic_batch(model: nn.Module, seed: int = 0, device: Optional[torch.devi
         batch["start_positions"] = torch.randint(0, SEQ, (BATCH,), generator=g)
         batch["end_positions"] = torch.randint(0, SEQ, (BATCH,), generator=g)
     return {k: v.to(device) for k, v in batch.items()} if device is not None else batch
-
-
-def image_batch(model: nn.Module, size: int, g: torch.Generator) -> Dict[str, torch.Tensor]:
-    """Random images of the config's size and channels, and what the head takes: a class per image
-    (`labels`, image classification), masked patches (`bool_masked_pos`, masked image modeling)."""
-    config = model.config
-    side, patch = config.image_size, getattr(config, "patch_size", 1)
-    side = side if isinstance(side, int) else side[0]
-    batch = {"pixel_values": torch.randn(size, getattr(config, "num_channels", 3), side, side, generator=g)}
-    accepts = inspect.signature(model.forward).parameters
-    if "labels" in accepts:
-        batch["labels"] = torch.randint(0, max(2, getattr(config, "num_labels", 2) or 2), (size,), generator=g)
-    if "bool_masked_pos" in accepts and type(model).__name__.endswith("MaskedImageModeling"):
-        batch["bool_masked_pos"] = torch.rand(size, (side // patch) ** 2, generator=g) < 0.5
-    return batch
 
 
 class Call(NamedTuple):

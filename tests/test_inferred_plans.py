@@ -17,7 +17,7 @@ from shardformer.policies.falcon import FalconPolicy
 from shardformer.policies.inferred import InferredPolicy, infer_policy
 from shardformer.stage import SHAPED
 from shardformer.styles import Colwise
-from shardformer.twin import image_batch
+from shardformer.image_batches import image_batch
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 

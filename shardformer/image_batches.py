@@ -44,7 +44,7 @@ def _first(config, *names):
 
 def _tokens_per_image(config) -> int:
     """Features the projector makes of one image: the config's count, else patches / merged patches."""
-    given = getattr(config, "mm_tokens_per_image", None)
+    given = _first(config, "mm_tokens_per_image", "num_query_tokens")  # (BLIP-2: one per query token)
     if given:
         return given
     vision = config.vision_config

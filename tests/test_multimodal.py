@@ -16,7 +16,7 @@ from typing import Dict
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import (CLIPVisionConfig, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
+from transformers import (Blip2Config, Blip2ForConditionalGeneration, CLIPVisionConfig, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
                           Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlavaConfig,
                           LlavaForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration,
                           MistralConfig, PixtralVisionConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
@@ -101,6 +101,20 @@ def mistral3(n: int = 4) -> Mistral3ForConditionalGeneration:
                                                            image_token_index=IMG, spatial_merge_size=2))
 
 
+def blip2(n: int = 4) -> Blip2ForConditionalGeneration:
+    vision = dict(**SMALL_VISION, image_size=8, patch_size=4)  # 4 patches + CLS, read by 4 query tokens
+    qformer = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                   encoder_hidden_size=16, vocab_size=mu.VOCAB, hidden_dropout_prob=0.0,
+                   attention_probs_dropout_prob=0.0)
+    model = Blip2ForConditionalGeneration(Blip2Config(vision_config=vision, qformer_config=qformer,
+                                                      text_config=mu.opt_config(n).to_dict(), num_query_tokens=4,
+                                                      image_token_index=IMG))
+    # query tokens initialized to zeros: the Q-Former's LayerNorm of them scales their gradient by 1/sqrt(eps), so
+    # that fp32 rounding would dominate the comparison (as Gemma 3's projection below); trained ones are not zero
+    torch.nn.init.normal_(model.query_tokens, std=0.05)
+    return model
+
+
 def whisper(n: int = 2) -> WhisperForConditionalGeneration:
     return WhisperForConditionalGeneration(WhisperConfig(
         vocab_size=mu.VOCAB, num_mel_bins=8, encoder_layers=n, decoder_layers=n, encoder_attention_heads=4,
@@ -117,7 +131,8 @@ def audio_batch(batch_size: int, seed: int) -> Dict[str, torch.Tensor]:
 
 
 for _kind, _build in (("llava", llava), ("qwen2_5_vl", qwen2_5_vl), ("qwen2_vl", qwen2_vl), ("qwen3_vl", qwen3_vl),
-                      ("gemma3", gemma3), ("idefics3", idefics3), ("smolvlm", smolvlm), ("mistral3", mistral3)):
+                      ("gemma3", gemma3), ("idefics3", idefics3), ("smolvlm", smolvlm), ("mistral3", mistral3),
+                      ("blip2", blip2)):
     mu.MODELS[_kind] = _build
     _model = _build(2)
     mu.BATCHES[_kind] = lambda b, s, m=_model: vlm_batch(m, b, s)
@@ -206,6 +221,15 @@ def test_splits_the_models_own_forward_cannot_run_are_refused():
             policy.layers_per_stage()
 
 
+def test_blip2_pipeline_is_refused_with_the_reason():
+    from shardformer.policies import get_autopolicy
+    policy = get_autopolicy(blip2(4))
+    policy.set_model(blip2(4))
+    policy.set_pipeline_stage_manager(_TwoStages())
+    with pytest.raises(NotImplementedError, match="runs the vision encoder and Q-Former on every call"):
+        policy.layers_per_stage()
+
+
 def _sequence_parallel() -> None:
     # sequence parallelism over its own group on vision-language models: the layers read the text config
     for kind in ("llava", "qwen2_5_vl", "gemma3"):
@@ -215,3 +239,12 @@ def _sequence_parallel() -> None:
 
 def test_vision_language_models_under_sequence_parallelism():
     run_distributed(2, _sequence_parallel)
+
+
+def _tensor_parallel() -> None:
+    # BLIP-2 (OPT): the language model split over tp, the vision encoder, Q-Former and projector replicated
+    mu.check_training("blip2", tp_size=2)
+
+
+def test_blip2_trains_exactly_under_tp():
+    run_distributed(2, _tensor_parallel)

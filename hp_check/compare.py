@@ -5,6 +5,7 @@ else the first parameter after the step."""
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -12,7 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from booster_plugin import Booster, HybridParallelPlugin
+from shardformer.image_batches import image_batch, vlm_batch
 from shardformer.layer.spec import gather_tensor, get_tp_spec
+from shardformer.multimodal_batch import image_rows, take_samples
 
 from .tiny import VOCAB
 
@@ -27,8 +30,13 @@ class Verdict(NamedTuple):
 
 def batch(size: int, seed: int, model: Optional[nn.Module] = None) -> dict:
     """Token ids, a right-padded sample and labels for the model's head (by its class name: causal / masked LM
-    token labels with padding ignored, a class per sequence or per token, answer spans; none for a base model)."""
+    token labels with padding ignored, a class per sequence or per token, answer spans; none for a base model).
+    A model taking images: text with images (a vision-language model) or images alone (ViT), as image_batches.py
+    lays them out."""
     g = torch.Generator().manual_seed(seed)
+    accepts = inspect.signature(model.forward).parameters if model is not None else {}
+    if "pixel_values" in accepts:
+        return vlm_batch(model, size, seed) if "input_ids" in accepts else image_batch(model, size, g)
     ids = torch.randint(3, VOCAB, (size, SEQ), generator=g)
     mask = torch.ones_like(ids)
     mask[0, -3:] = 0
@@ -69,13 +77,14 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
     dp = world // (tp * pp)
     local_size = MICROBATCH * max(pp, 2)
     data = batch(local_size * dp, seed=1, model=reference)
+    ragged = image_rows(reference.config)  # (images go with their samples)
     reference.train()
     progress("unsharded step")
     try:  # the unsharded step first: a model that fails on its own fails on every rank, before any collective
         ref_losses = []
         for r in range(dp):  # the step's loss: mean over microbatches and replicas
             for m in range(0, local_size, MICROBATCH):
-                mb = {k: v[r * local_size + m:r * local_size + m + MICROBATCH] for k, v in data.items()}
+                mb = take_samples(data, r * local_size + m, r * local_size + m + MICROBATCH, ragged)
                 ref_losses.append(criterion(reference(**mb), mb))
         torch.stack(ref_losses).mean().backward()
     except Exception as error:  # noqa: BLE001
@@ -87,7 +96,7 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
     except (NotImplementedError, ValueError) as refused:  # raised on every rank before any collective
         return Verdict("refused", str(refused).splitlines()[0].split(" Supported models:")[0])
     model.train()
-    local = {k: v[plugin.dp_rank * local_size:(plugin.dp_rank + 1) * local_size] for k, v in data.items()}
+    local = take_samples(data, plugin.dp_rank * local_size, (plugin.dp_rank + 1) * local_size, ragged)
     ref_loss = torch.stack(ref_losses[plugin.dp_rank * (len(ref_losses) // dp):
                                       (plugin.dp_rank + 1) * (len(ref_losses) // dp)]).mean()
     ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters(remove_duplicate=False)

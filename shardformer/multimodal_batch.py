@@ -37,7 +37,7 @@ _QWEN_VL = (ImageInputs("image_token_id", ("image_grid_thw",), ("pixel_values",)
             ImageInputs("video_token_id", ("video_grid_thw", "second_per_grid_ts"), ("pixel_values_videos",),
                         "video_grid_thw", "vision_config.spatial_merge_size"))
 FAMILIES: Dict[str, Tuple[ImageInputs, ...]] = {
-    "llava": _PER_IMAGE, "gemma3": _PER_IMAGE, "mistral3": _PER_IMAGE, "vipllava": _PER_IMAGE,
+    "llava": _PER_IMAGE, "blip-2": _PER_IMAGE, "gemma3": _PER_IMAGE, "mistral3": _PER_IMAGE, "vipllava": _PER_IMAGE,
     "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL, "qwen3_vl": _QWEN_VL, "qwen3_vl_moe": _QWEN_VL,
 }
 

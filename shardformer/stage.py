@@ -22,6 +22,7 @@ which submodules exist.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
@@ -32,6 +33,7 @@ from .router_logits import ROUTER_LOGITS, prepend_router_logits, recorded_router
 
 INPUT, ZEROS, IDENTITY = "input", "zeros", "identity"
 RELEASED = "released"  # entry kind: never called off the first stage (its inputs are not passed there)
+SHAPED = "shaped"  # entry kind: zeros shaped like the module's output (e.g. patch embeddings: pixels -> patches)
 CHUNK_ARGUMENT = "pipeline_chunk"  # the keyword of a stage call that names the chunk to run
 
 
@@ -62,6 +64,40 @@ class ZeroEmbedding(nn.Module):
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return _zeros_like_lookup(args, kwargs, self.hidden_size, self.dtype_ref.dtype)
+
+
+class ShapedZeros(ZeroEmbedding):
+    """Stands in for an entry module whose output is not shaped like its input nor like a lookup (a patch embedding:
+    pixels (batch, C, H, W) -> (batch, patches, hidden)): zeros shaped like the output of a parameter-free copy of it
+    on the meta device, called with meta copies of the arguments. Attributes the model's forward reads from the
+    module (e.g. `embeddings.patch_embeddings.projection.weight.dtype`) are read from that copy, which is kept out of
+    the module tree (no parameters, no state)."""
+
+    def __init__(self, original: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__(0, dtype)
+        object.__setattr__(self, "_on_meta", copy.deepcopy(original).to("meta"))
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            on_meta = self.__dict__.get("_on_meta")
+            if on_meta is None:
+                raise
+            return getattr(on_meta, name)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        meta = lambda a: a.to("meta") if isinstance(a, torch.Tensor) else a  # noqa: E731
+        shape = _first_output(self._on_meta(*map(meta, args), **{k: meta(v) for k, v in kwargs.items()})).shape
+        return torch.zeros(shape, dtype=self.dtype_ref.dtype, device=device)
+
+
+def _first_output(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output
+    return next(v for v in values if isinstance(v, torch.Tensor))
 
 
 class Released(nn.Module):
@@ -225,5 +261,7 @@ def stand_in_for(kind: str, original: nn.Module, path: str = "") -> nn.Module:
         return nn.Identity()
     if kind == RELEASED:
         return Released(path)
+    if kind == SHAPED:
+        return ShapedZeros(original, next(original.parameters()).dtype)
     hidden, dtype = _hidden_size(original)
     return ZeroEmbedding(hidden, dtype)  # INPUT and ZEROS: the received hidden states enter at the first layer

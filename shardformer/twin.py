@@ -6,7 +6,8 @@ and whole (prove.py).
 Sizes are shrunk from the config's own values, not from per-family names: the head count to a few heads per tp rank
 (keeping the query heads per key/value head), the head dim to 8 (rotary dims in proportion), every integer equal to
 the hidden size to the twin's, other feature sizes (`ffn_dim`, `n_inner`, ...) in proportion, vocabularies to 100,
-positions to 64, layer counts to the twin's, per-layer lists to their first entries; dropout probabilities to 0."""
+positions to 64, layer counts to the twin's, per-layer lists to their first entries; dropout probabilities to 0; a
+vision model's images to 2 x 2 patches."""
 from __future__ import annotations
 
 import inspect
@@ -14,6 +15,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
+
+from .image_batches import image_batch
 
 __all__ = ["TWIN_VOCAB", "twin_config", "build_twin", "synthetic_batch", "Call", "trace_calls"]
 
@@ -58,6 +61,9 @@ def twin_config(config, tp: int = 1, layers: int = 2):
                                          head_dim=(head_dim, head_dim_t), layers=layers, tp=tp))
             if new != value:
                 changed[key] = new
+    patch = _int(config, "patch_size")
+    if patch is not None and _int(config, "image_size") is not None:  # a vision model: 2 x 2 patches
+        changed["image_size"] = 2 * patch
     twin = type(config)(**{**values, **changed})
     implementation = getattr(config, "_attn_implementation", None)
     if implementation is not None:  # the same attention code path as the model
@@ -110,9 +116,13 @@ def build_twin(model: nn.Module, tp: int = 1, layers: int = 2, seed: int = 0) ->
 
 def synthetic_batch(model: nn.Module, seed: int = 0, device: Optional[torch.device] = None) -> Dict[str, torch.Tensor]:
     """Token ids (a right-padded sample), their mask, and the labels the model's head takes (causal / masked LM,
-    sequence or token classification, question answering spans); none for other heads."""
+    sequence or token classification, question answering spans); none for other heads. A vision model (its forward
+    takes pixel_values, not input_ids): images (image_batch)."""
     config, name = model.config, type(model).__name__
     g = torch.Generator().manual_seed(seed)
+    if "input_ids" not in inspect.signature(model.forward).parameters:
+        batch = image_batch(model, BATCH, g)
+        return {k: v.to(device) for k, v in batch.items()} if device is not None else batch
     ids = torch.randint(3, TWIN_VOCAB - 1, (BATCH, SEQ), generator=g)
     mask = torch.ones_like(ids)
     mask[0, -2:] = 0
@@ -135,14 +145,15 @@ def synthetic_batch(model: nn.Module, seed: int = 0, device: Optional[torch.devi
 
 
 class Call(NamedTuple):
-    """One module call of a traced forward: its path, whether it starts or ends, and (at the start) its first tensor
+    """One module call of a traced forward: its path, whether it starts or ends, (at the start) its first tensor
     input's identity, whether its first positional argument is an integer tensor (ids, a mask), and the names and
-    shapes of its tensor arguments."""
+    shapes of its tensor arguments; (at the end) the shape of its first tensor output."""
     path: str
     start: bool
     input_id: Optional[int] = None
     integer_input: bool = False
     tensors: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
+    output_shape: Optional[Tuple[int, ...]] = None
 
 
 def _tensor_arguments(module: nn.Module, args, kwargs) -> List[Tuple[str, torch.Tensor]]:
@@ -169,7 +180,9 @@ def trace_calls(model: nn.Module, batch: Dict[str, torch.Tensor]) -> List[Call]:
                           tuple((name, tuple(t.shape)) for name, t in tensors)))
 
     def post(path, module, args, output):
-        calls.append(Call(path, False))
+        values = output if isinstance(output, (tuple, list)) else (output,)
+        first = next((v for v in values if isinstance(v, torch.Tensor)), None)
+        calls.append(Call(path, False, output_shape=tuple(first.shape) if first is not None else None))
 
     handles = []
     for path, module in model.named_modules():

@@ -1,11 +1,13 @@
-"""Families transformers gives no plan (OPT: inferred from its structure; BLOOM, Falcon: hand-written, their fused
-query_key_value interleaving heads) train exactly under tp=2 x pp=2, every such policy proven by one forward of a
+"""Families transformers gives no plan (OPT; ViT: ViTModel, image classification, masked image modeling: inferred
+from their structure; BLOOM, Falcon: hand-written, their fused query_key_value interleaving heads) train exactly under tp=2 x pp=2, every such policy proven by one forward of a
 small twin at boost; GPT-J (which declares plans in transformers 5) trains exactly with the plan inferred from its
 structure instead, which equals its declared one; a wrong plan is refused by the proof, naming the module."""
 import pytest
+import torch
 from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, GPTJConfig, GPTJForCausalLM,
                           GPTNeoXJapaneseConfig, GPTNeoXJapaneseForCausalLM, OPTForCausalLM,
-                          OPTForSequenceClassification)
+                          OPTForSequenceClassification, ViTConfig, ViTForImageClassification,
+                          ViTForMaskedImageModeling, ViTModel)
 
 from booster_plugin import Booster, HybridParallelPlugin
 from hp_check.tiny import tiny_config
@@ -13,7 +15,9 @@ from shardformer.policies import PlanRefused, TransformersPlanPolicy, get_autopo
 from shardformer.policies.bloom import BloomPolicy
 from shardformer.policies.falcon import FalconPolicy
 from shardformer.policies.inferred import InferredPolicy, infer_policy
+from shardformer.stage import SHAPED
 from shardformer.styles import Colwise
+from shardformer.image_batches import image_batch
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 
@@ -35,6 +39,13 @@ def _gptj(n):
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0))
 
 
+def _vit(cls, n):
+    return cls(ViTConfig(hidden_size=32, num_hidden_layers=n, num_attention_heads=4, intermediate_size=64,
+                         image_size=8, patch_size=2, encoder_stride=2, num_labels=3, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0))
+
+
+VIT = {"vit": ViTModel, "vit_cls": ViTForImageClassification, "vit_mim": ViTForMaskedImageModeling}
 BUILDERS = {
     "opt_inferred_lm": lambda n=4: OPTForCausalLM(mu.opt_config(n)),
     "opt_inferred_cls": lambda n=4: OPTForSequenceClassification(mu.opt_config(n)),
@@ -42,15 +53,21 @@ BUILDERS = {
     "bloom_lm": lambda n=4: _bloom(n),
     "falcon_lm": lambda n=4: _falcon(n, new=False),
     "falcon_new_lm": lambda n=4: _falcon(n, new=True),
+    **{kind: lambda n=4, c=cls: _vit(c, n) for kind, cls in VIT.items()},
 }
 mu.MODELS.update(BUILDERS)
+for _kind in VIT:  # images of 4 x 4 patches with a class each (classification) or masked patches (masked modeling)
+    mu.BATCHES[_kind] = lambda b, s, k=_kind: image_batch(mu.build(k, 1), b, torch.Generator().manual_seed(s))
 
 
 def test_policy_sources():
     """Which path each family takes (no ranks needed)."""
     for kind, source in (("opt_inferred_lm", InferredPolicy), ("opt_inferred_cls", InferredPolicy),
-                         ("bloom_lm", BloomPolicy), ("falcon_lm", FalconPolicy)):
+                         ("bloom_lm", BloomPolicy), ("falcon_lm", FalconPolicy), ("vit_mim", InferredPolicy)):
         assert type(get_autopolicy(mu.build(kind, 2))) is source, kind
+    # ViT: its patch embeddings (pixels -> patches) stand as zeros of their output's shape off the first stage
+    vit = get_autopolicy(mu.build("vit_cls", 2))
+    assert (vit.layers, vit.entry, vit.exit) == ("layers", {"embeddings": SHAPED}, ("layernorm",))
     # a fused projection whose head layout the structure does not tell: refused, with the reason
     japanese = GPTNeoXJapaneseForCausalLM(tiny_config(GPTNeoXJapaneseConfig, num_hidden_layers=2))
     with pytest.raises(PlanRefused, match=r"Nor can a plan be inferred.*'layers\.0\.attention\.query_key_value' "

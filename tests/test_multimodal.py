@@ -5,17 +5,18 @@ other inputs (`image_grid_thw` and `mm_token_type_ids` for Qwen-VL's M-RoPE posi
 Gemma 3's bidirectional image attention) to every stage, and pixel values that count images or patches, not
 samples, split into microbatches with their samples. Whisper: the audio encoder, then the decoder, as BART.
 
-Batches are laid out as each family's processor lays them out: a run of `image_token_id` placeholders per image,
-as many as the projector makes features (LLaVA, Mistral3, Idefics3: 4; Gemma 3: `mm_tokens_per_image` between
-begin/end-of-image tokens; Qwen-VL: t*h*w / merge**2 between vision start/end tokens, `pixel_values` one row per
-patch), 0 to 2 images per sample, labels -100 on image tokens and padding."""
+Batches (shardformer/image_batches.py, from each config) are laid out as each family's processor lays them out: a
+run of `image_token_id` placeholders per image, as many as the projector makes features (LLaVA, Mistral3, Idefics3:
+4; Gemma 3: `mm_tokens_per_image` between begin/end-of-image tokens; Qwen-VL: t*h*w / merge**2 between vision
+start/end tokens, `pixel_values` one row per patch), 0 to 2 images per sample, labels -100 on image tokens and
+padding."""
 import copy
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import (CLIPVisionConfig, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
+from transformers import (Blip2Config, Blip2ForConditionalGeneration, CLIPVisionConfig, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
                           Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlavaConfig,
                           LlavaForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration,
                           MistralConfig, PixtralVisionConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
@@ -25,12 +26,12 @@ from transformers import (CLIPVisionConfig, Gemma3Config, Gemma3ForConditionalGe
                           WhisperForConditionalGeneration)
 
 from booster_plugin import Booster, HybridParallelPlugin
+from shardformer.image_batches import vlm_batch
 from shardformer.multimodal_batch import image_rows
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 
 IMG, BOI, EOI, VIDEO = 99, 97, 98, 96   # placeholder, begin / end of image (vision start / end), video
-SEQ = 24
 TEXT = dict(vocab_size=mu.VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 SMALL_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
@@ -100,6 +101,20 @@ def mistral3(n: int = 4) -> Mistral3ForConditionalGeneration:
                                                            image_token_index=IMG, spatial_merge_size=2))
 
 
+def blip2(n: int = 4) -> Blip2ForConditionalGeneration:
+    vision = dict(**SMALL_VISION, image_size=8, patch_size=4)  # 4 patches + CLS, read by 4 query tokens
+    qformer = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                   encoder_hidden_size=16, vocab_size=mu.VOCAB, hidden_dropout_prob=0.0,
+                   attention_probs_dropout_prob=0.0)
+    model = Blip2ForConditionalGeneration(Blip2Config(vision_config=vision, qformer_config=qformer,
+                                                      text_config=mu.opt_config(n).to_dict(), num_query_tokens=4,
+                                                      image_token_index=IMG))
+    # query tokens initialized to zeros: the Q-Former's LayerNorm of them scales their gradient by 1/sqrt(eps), so
+    # that fp32 rounding would dominate the comparison (as Gemma 3's projection below); trained ones are not zero
+    torch.nn.init.normal_(model.query_tokens, std=0.05)
+    return model
+
+
 def whisper(n: int = 2) -> WhisperForConditionalGeneration:
     return WhisperForConditionalGeneration(WhisperConfig(
         vocab_size=mu.VOCAB, num_mel_bins=8, encoder_layers=n, decoder_layers=n, encoder_attention_heads=4,
@@ -115,57 +130,13 @@ def audio_batch(batch_size: int, seed: int) -> Dict[str, torch.Tensor]:
     return {"input_features": torch.randn(batch_size, 8, 16, generator=g), "labels": labels}
 
 
-QWEN_GRIDS = [(1, 4, 4), (1, 4, 8)]  # t, h, w patches: 16 and 32 rows of pixel_values, 4 and 8 placeholders
-
-
-def _images(kind: str, count: int, g: torch.Generator):
-    """Pixel values, placeholder counts and grids of `count` images as the family's processor makes them."""
-    if kind.startswith("qwen"):
-        grids = [QWEN_GRIDS[i % 2] for i in range(count)]
-        rows = [torch.randn(t * h * w, 3 * 2 * 2 * 2, generator=g) for t, h, w in grids]  # C * T * P * P
-        return rows, [t * h * w // 4 for t, h, w in grids], grids
-    if kind in ("idefics3", "smolvlm"):  # (1, images, C, H, W) per sample, padded with all-zero images to 2
-        images = torch.zeros(1, 2, 3, 8, 8)
-        images[0, :count] = torch.randn(count, 3, 8, 8, generator=g)
-        return [images], [4] * count, []
-    return [torch.randn(1, 3, 8, 8, generator=g) for _ in range(count)], [4] * count, []
-
-
-def vlm_batch(kind: str, batch_size: int, seed: int) -> Dict[str, torch.Tensor]:
-    """Sample i holds i % 3 images (every pair of samples has one); sample 0 is padded on the right."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 90, (batch_size, SEQ), generator=g)
-    pixels: List[torch.Tensor] = []
-    grids: List[tuple] = []
-    for i in range(batch_size):
-        rows, tokens, grid = _images(kind, i % 3, g)
-        pixels += rows
-        grids += grid
-        at = 1
-        for n in tokens:
-            run = [BOI] + [IMG] * n + [EOI] if kind == "gemma3" or kind.startswith("qwen") else [IMG] * n
-            ids[i, at:at + len(run)] = torch.tensor(run)
-            at += len(run) + 1
-    mask = torch.ones_like(ids)
-    mask[0, -3:] = 0
-    ids[0, -3:] = 0
-    image = ids == IMG
-    batch = {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.cat(pixels),
-             "labels": ids.masked_fill(image | (mask == 0), -100)}
-    if kind.startswith("qwen"):
-        batch.update(image_grid_thw=torch.tensor(grids), mm_token_type_ids=image.long())
-    if kind == "gemma3":
-        batch["token_type_ids"] = image.long()
-    if kind == "mistral3":
-        batch["image_sizes"] = torch.tensor([[8, 8]] * len(pixels))
-    return batch
-
-
 for _kind, _build in (("llava", llava), ("qwen2_5_vl", qwen2_5_vl), ("qwen2_vl", qwen2_vl), ("qwen3_vl", qwen3_vl),
-                      ("gemma3", gemma3), ("idefics3", idefics3), ("smolvlm", smolvlm), ("mistral3", mistral3)):
+                      ("gemma3", gemma3), ("idefics3", idefics3), ("smolvlm", smolvlm), ("mistral3", mistral3),
+                      ("blip2", blip2)):
     mu.MODELS[_kind] = _build
-    mu.BATCHES[_kind] = lambda b, s, k=_kind: vlm_batch(k, b, s)
-    _rows = image_rows(_build(2).config)
+    _model = _build(2)
+    mu.BATCHES[_kind] = lambda b, s, m=_model: vlm_batch(m, b, s)
+    _rows = image_rows(_model.config)
     if _rows is not None:  # (Idefics3: pixel values per sample)
         mu.RAGGED[_kind] = _rows
 mu.MODELS["whisper"] = whisper
@@ -208,7 +179,7 @@ def test_images_split_into_microbatches_with_their_samples():
     placeholder tokens they fill; a microbatch without images gets no pixel values."""
     from booster_plugin.microbatches import split_batch
     for kind in ("qwen2_5_vl", "llava"):
-        batch = vlm_batch(kind, 6, seed=1)  # samples hold 0, 1, 2, 0, 1, 2 images
+        batch = mu.make_batch(kind, 6, seed=1)  # samples hold 0, 1, 2, 0, 1, 2 images
         parts = split_batch(batch, 3, None, mu.RAGGED[kind])
         assert [p["input_ids"].shape[0] for p in parts] == [2, 2, 2]
         # sample pairs (0, 1), (2, 3), (4, 5) hold 1, 2 and 3 images; Qwen's alternate 16 and 32 patches
@@ -218,13 +189,13 @@ def test_images_split_into_microbatches_with_their_samples():
         else:
             assert [p["pixel_values"].shape[0] for p in parts] == [1, 2, 3]
         torch.testing.assert_close(torch.cat([p["pixel_values"] for p in parts]), batch["pixel_values"])
-    lone = split_batch(vlm_batch("llava", 2, seed=1), 2, None, mu.RAGGED["llava"])
+    lone = split_batch(mu.make_batch("llava", 2, seed=1), 2, None, mu.RAGGED["llava"])
     assert "pixel_values" not in lone[0] and lone[1]["pixel_values"].shape[0] == 1
 
 
 def test_placeholders_that_do_not_make_whole_images_are_refused():
     from booster_plugin.microbatches import split_batch
-    batch = vlm_batch("qwen2_5_vl", 4, seed=1)
+    batch = mu.make_batch("qwen2_5_vl", 4, seed=1)
     batch["input_ids"][1, 2] = 5  # one placeholder of sample 1's image replaced by text
     with pytest.raises(ValueError, match="do not add up to whole images"):
         split_batch(batch, 2, None, mu.RAGGED["qwen2_5_vl"])
@@ -250,6 +221,15 @@ def test_splits_the_models_own_forward_cannot_run_are_refused():
             policy.layers_per_stage()
 
 
+def test_blip2_pipeline_is_refused_with_the_reason():
+    from shardformer.policies import get_autopolicy
+    policy = get_autopolicy(blip2(4))
+    policy.set_model(blip2(4))
+    policy.set_pipeline_stage_manager(_TwoStages())
+    with pytest.raises(NotImplementedError, match="runs the vision encoder and Q-Former on every call"):
+        policy.layers_per_stage()
+
+
 def _sequence_parallel() -> None:
     # sequence parallelism over its own group on vision-language models: the layers read the text config
     for kind in ("llava", "qwen2_5_vl", "gemma3"):
@@ -259,3 +239,12 @@ def _sequence_parallel() -> None:
 
 def test_vision_language_models_under_sequence_parallelism():
     run_distributed(2, _sequence_parallel)
+
+
+def _tensor_parallel() -> None:
+    # BLIP-2 (OPT): the language model split over tp, the vision encoder, Q-Former and projector replicated
+    mu.check_training("blip2", tp_size=2)
+
+
+def test_blip2_trains_exactly_under_tp():
+    run_distributed(2, _tensor_parallel)

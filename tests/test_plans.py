@@ -123,6 +123,19 @@ def test_checker_on_a_saved_classifier_directory(tmp_path, capfd):
     assert "[hp_check] sharded step" in out and f"PASS {tmp_path} tp=2 pp=1" in out, out
 
 
+def test_checker_on_a_saved_vision_language_model_directory(tmp_path, capfd):
+    """A saved tiny LLaVA: text with images (image_batches.py), the pixel values on the first stage only and split
+    into microbatches with their samples; a ViT classifier's batch: images with a class each."""
+    from hp_check.compare import batch
+    from tests.test_inferred_plans import _vit
+    from tests.test_multimodal import llava
+    llava(2).save_pretrained(tmp_path)
+    assert check_main([str(tmp_path), "--tp", "1", "--pp", "2"]) == 0
+    assert f"PASS {tmp_path} tp=1 pp=2" in capfd.readouterr().out
+    images = batch(4, 0, _vit(transformers.ViTForImageClassification, 1))
+    assert images["pixel_values"].shape == (4, 3, 8, 8) and images["labels"].shape == (4,)
+
+
 def test_refusals_name_module_and_style():
     """A plan that cannot be honoured exactly is refused before any collective, naming module and style; a known
     style we cannot apply only where the model is tensor-split (tp_size > 1: pp, dp and ep still train it)."""

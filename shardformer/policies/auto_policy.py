@@ -12,6 +12,7 @@ from torch import nn
 from .base import Policy
 from .bart import BartPolicy
 from .bert import BertPolicy
+from .blip2 import Blip2OPTPolicy
 from .bloom import BloomPolicy
 from .falcon import FalconPolicy
 from .from_transformers import PlanRefused, TransformersPlanPolicy
@@ -31,6 +32,7 @@ _FAMILIES: Dict[Type[Policy], tuple] = {
     BloomPolicy: ("BloomModel",),    # (and every head of the family: found by the base model's class)
     FalconPolicy: ("FalconModel",),
     WhisperPolicy: ("WhisperForConditionalGeneration", "WhisperModel"),
+    Blip2OPTPolicy: ("Blip2ForConditionalGeneration",),
 }
 SUPPORTED_MODELS: Dict[str, Type[Policy]] = {name: policy for policy, names in _FAMILIES.items() for name in names}
 

@@ -17,12 +17,12 @@ from pipeline.stage_manager import PipelineStageManager, StageCosts
 from ..layer_bounds import stage_of_layer
 from ..paths import base_prefix, find_submodule, match
 from ..shard_config import ShardConfig
-from ..stage import IDENTITY, INPUT, ZEROS
+from ..stage import IDENTITY, INPUT, SHAPED, ZEROS
 from ..styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, ParallelStyle, Rowwise, SharedTailGrad,
                       SplitParam, VocabEmbedding, VocabHead)
 
 # what a policy is written with: the Policy, the entry modules' stand-in kinds and the parallel styles
-__all__ = ["Policy", "IDENTITY", "INPUT", "ZEROS", "Colwise", "Rowwise", "GradAllReduce", "VocabEmbedding", "VocabHead",
+__all__ = ["Policy", "IDENTITY", "INPUT", "SHAPED", "ZEROS", "Colwise", "Rowwise", "GradAllReduce", "VocabEmbedding", "VocabHead",
            "HeadEmbedding", "KVHeads", "SharedTailGrad", "SplitParam", "Experts", "ParallelStyle"]
 
 EMBEDDING_COST = 0.25  # an embedding lookup (and its gradient) per parameter, relative to a matmul's

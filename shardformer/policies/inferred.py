@@ -6,7 +6,8 @@ sizes); the policy is proven by another before it is used (proven.py, prove.py),
   decoder's, are refused).
 - Entry / exit: the modules with parameters beside the layer list (children of it and of its ancestors in the base
   model) called before the first layer / after the last one. Entry: the first embedding looking up an integer tensor
-  is the stage input (a stand-in elsewhere), later ones give zeros, norms / projections / dropouts are identities; an
+  is the stage input (a stand-in elsewhere), later ones give zeros, norms / projections / dropouts are identities, a
+  module that changes its input's shape (ViT's patch embeddings: pixels -> patches) gives zeros of its output's; an
   embedding of something else (positions from a shape) has no stand-in and is kept by every stage (gradients summed).
   A module with parameters that runs among the layers (or both before and after them) is refused.
 - Tensor parallel, per layer, from the order of its Linear / Conv1D calls: consecutive calls of one module's
@@ -34,7 +35,7 @@ from torch import nn
 
 from ..layer.conv1d import is_conv1d
 from ..paths import base_prefix, match
-from ..stage import IDENTITY, INPUT, ZEROS
+from ..stage import IDENTITY, INPUT, SHAPED, ZEROS
 from ..styles import Colwise, Rowwise, VocabEmbedding, VocabHead
 from ..split_heads_argument import SplitHeadsArgument
 from ..twin import BATCH, Call, build_twin, synthetic_batch, trace_calls
@@ -101,7 +102,7 @@ def infer_policy(model: nn.Module) -> InferredPolicy:
     except (KeyError, IndexError, AttributeError) as error:  # e.g. a module shared by several layers
         raise PlanRefused(f"no plan can be inferred for {name}: its layers '{layers}' do not run as a list of "
                           f"independent blocks ({type(error).__name__}: {error}).") from None
-    vocab = twin.config.vocab_size
+    vocab = getattr(twin.config, "vocab_size", None)
     tp_plan = {path: VocabEmbedding() for e in entry for path, m in _named(base, e)
                if isinstance(m, nn.Embedding) and m.num_embeddings == vocab}
     tp_plan.update(plan.tp)
@@ -116,6 +117,7 @@ class Span(NamedTuple):
     first: int      # index of its first call's start in the trace
     last: int       # index of its last call's end
     call: Call      # its first call
+    output_shape: Optional[Tuple[int, ...]] = None  # its first call's output
 
 
 def _spans(calls: List[Call], prefix: str) -> Dict[str, Span]:
@@ -128,7 +130,8 @@ def _spans(calls: List[Call], prefix: str) -> Dict[str, Span]:
         if rel not in spans:
             spans[rel] = Span(i, i, c)
         elif not c.start:
-            spans[rel] = spans[rel]._replace(last=i)
+            first_end = spans[rel].last == spans[rel].first
+            spans[rel] = spans[rel]._replace(last=i, **({"output_shape": c.output_shape} if first_end else {}))
     return spans
 
 
@@ -202,8 +205,9 @@ def _entry_exit(base: nn.Module, layers: str, spans: Dict[str, Span], name: str)
             if call.integer_input:  # a lookup of ids (or of a mask): zeros shaped like it stand in elsewhere
                 entry[path] = ZEROS if INPUT in entry.values() else INPUT
             # else (e.g. positions from a shape): no stand-in can be shaped; every stage keeps it (gradients summed)
-        else:
-            entry[path] = IDENTITY
+        else:  # e.g. a norm: the identity elsewhere; a module changing the shape (patches of pixels): zeros so shaped
+            shapes = [shape for _, shape in call.tensors[:1]]
+            entry[path] = IDENTITY if shapes == [spans[path].output_shape] else SHAPED
     return entry, tuple(path for _, path in sorted(after))
 
 

@@ -14,9 +14,9 @@ from torch import nn
 from booster_plugin import Booster, HybridParallelPlugin
 from shardformer.layer.spec import gather_tensor, get_tp_spec
 
-from .tiny import VOCAB
+from .batches import batch, missing_inputs
 
-SEQ, MICROBATCH = 8, 2
+MICROBATCH = 2
 
 
 class Verdict(NamedTuple):
@@ -25,33 +25,11 @@ class Verdict(NamedTuple):
     max_loss_error: Optional[float] = None
 
 
-def batch(size: int, seed: int, model: Optional[nn.Module] = None) -> dict:
-    """Token ids, a right-padded sample and labels for the model's head (by its class name: causal / masked LM
-    token labels with padding ignored, a class per sequence or per token, answer spans; none for a base model)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (size, SEQ), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, -3:] = 0
-    ids[0, -3:] = 0
-    data = {"input_ids": ids, "attention_mask": mask}
-    head = type(model).__name__ if model is not None else "ForCausalLM"
-    labels = getattr(getattr(model, "config", None), "num_labels", 2)
-    if head.endswith("ForSequenceClassification"):
-        data["labels"] = torch.randint(0, labels, (size,), generator=g)
-    elif head.endswith("ForTokenClassification"):
-        data["labels"] = torch.randint(0, labels, (size, SEQ), generator=g).masked_fill(mask == 0, -100)
-    elif head.endswith("ForQuestionAnswering"):
-        data["start_positions"] = torch.randint(0, SEQ - 3, (size,), generator=g)
-        data["end_positions"] = torch.randint(0, SEQ - 3, (size,), generator=g)
-    elif head.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")):
-        data["labels"] = ids.masked_fill(mask == 0, -100)
-    return data
-
-
 def criterion(outputs, micro_batch) -> torch.Tensor:
-    """The model's own loss where it computes one, else a function of the last hidden states."""
+    """The model's own loss where it computes one (with a second head's, e.g. GPT-2's multiple-choice loss), else a
+    function of the last hidden states."""
     if getattr(outputs, "loss", None) is not None:
-        return outputs.loss
+        return outputs.loss + outputs.mc_loss if getattr(outputs, "mc_loss", None) is not None else outputs.loss
     return outputs.last_hidden_state.float().sin().mean()
 
 
@@ -69,6 +47,9 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
     dp = world // (tp * pp)
     local_size = MICROBATCH * max(pp, 2)
     data = batch(local_size * dp, seed=1, model=reference)
+    missing = missing_inputs(reference, data)
+    if missing:  # (alike on every rank)
+        return Verdict("untested", f"needs inputs this check does not build: {', '.join(missing)}")
     reference.train()
     progress("unsharded step")
     try:  # the unsharded step first: a model that fails on its own fails on every rank, before any collective

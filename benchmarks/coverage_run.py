@@ -85,7 +85,14 @@ def _verdict(row: Row) -> Tuple[Tuple[str, str], Optional[str]]:
         return ("untested", f"no tiny model: {cls.__name__}(tiny config) fails: {type(error).__name__}: "
                             f"{_line(error)}"), None
     source = plan_source(cls, config) if dist.get_rank() == 0 else None
-    return tuple(compare(lambda: cls(config), 2, 2))[:2], source
+    return tuple(compare(lambda: cls(config), 2, 2, lr=lr(cls.__name__)))[:2], source
+
+
+def lr(name: str) -> float:
+    """AdamW's learning rate for a class: 1e-4 for heads with a bias whose gradient is zero in exact arithmetic (a
+    softmax over positions or choices ignores a shift they share), which Adam's first step moves by lr * rounding /
+    eps, differently under tp (tests/test_task_heads.py does the same); else 1e-3."""
+    return 1e-4 if name.endswith(("ForQuestionAnswering", "ForMultipleChoice", "DoubleHeadsModel")) else 1e-3
 
 
 def _run_rows(todo: List[Row], path: str) -> None:

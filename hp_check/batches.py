@@ -52,6 +52,9 @@ def batch(size: int, seed: int, model: Optional[nn.Module] = None) -> dict:
     elif ids is None and params is not None and "decoder_input_ids" in params:  # a speech encoder-decoder
         tokens = torch.randint(3, VOCAB, (size, SEQ), generator=g)
         data["labels" if head.endswith(_LM) else "decoder_input_ids"] = tokens
+    if params is not None and "decoder_input_ids" in params and ids is not None and "labels" not in data and \
+            not head.endswith(("ForQuestionAnswering", "ForSequenceClassification")):  # an encoder-decoder's base
+        data["decoder_input_ids"] = ids
     if head.endswith("ForPreTraining") and "next_sentence_label" in params:
         data["next_sentence_label"] = pick(2, (size,))
     return data

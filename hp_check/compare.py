@@ -34,15 +34,15 @@ def criterion(outputs, micro_batch) -> torch.Tensor:
 
 
 def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: float = 1e-5,
-            progress: Callable[[str], None] = lambda _: None) -> Verdict:
+            progress: Callable[[str], None] = lambda _: None, lr: float = 1e-3) -> Verdict:
     """One step of the sharded model (tp, pp, dp = world / (tp * pp)) against the unsharded one; `progress(what)` is
     told each phase."""
     torch.manual_seed(0)
     progress("building the model")
     reference = build().float()
     model = copy.deepcopy(reference)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
     world = dist.get_world_size()
     dp = world // (tp * pp)
     local_size = MICROBATCH * max(pp, 2)

@@ -98,7 +98,13 @@ def tiny_config(config_class, **overrides):
             if sub is not None:
                 kwargs[key] = sub
     kwargs.update(overrides)
-    return config_class(**kwargs)
+    config = config_class(**kwargs)
+    if not _has(config, "classifier_dropout"):  # a head reading it falls back to 0.1 (GPT-2's token classifier)
+        try:
+            config.classifier_dropout = 0.0
+        except Exception:  # noqa: BLE001  (a config that takes no new attributes: its heads do not read it)
+            pass
+    return config
 
 
 _MISSING = object()

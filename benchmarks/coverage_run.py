@@ -136,7 +136,9 @@ def fill_sources(rows: List[Row], path: str, default_class: Dict[str, str]) -> N
         record = done.get((row.family.model_type, row.model_class))
         if record is None or record.get("plan_source"):
             continue
-        if str(record.get("detail", "")).startswith("not run"):  # (a family too large to build here)
+        if str(record.get("detail", "")).startswith(("not run", "no tiny", "no model class", "transformers exports")):
+            continue  # (no model to ask: too large to build here, or it cannot be built)
+        if "seconds" not in record:  # (a row that crashed its ranks, e.g. out of memory: not built again here)
             continue
         built, verdict = build(row.model_class)
         source = plan_source(*built) if built else f"- ({verdict[1].split(':')[0]})"

@@ -12,6 +12,8 @@ What is resized, from the defaults' own structure (no per-family code):
 - RoPE given per layer type but empty by default gets the default RoPE for each type;
 - a heterogeneous config's per-layer attributes (e.g. a larger head_dim on full-attention layers) follow their
   layer's kind and are scaled like their global value;
+- an encoder-decoder's other stack (`encoder_*` / `decoder_*` layers, heads, feed-forward sizes), its source and
+  target positions, and its decoder start token (the padding token where the config has none);
 - sub-configs (a vision or audio encoder the text model carries) get small sizes too, when they accept them.
 """
 from __future__ import annotations
@@ -27,12 +29,14 @@ TINY: Dict[str, Any] = {
 }
 # counts of layers of a special kind, scaled with the layer count (rounded, at least 1 when the default has some)
 LAYER_COUNTS = ("num_kv_shared_layers",)
+# an encoder-decoder's position counts, as small as max_position_embeddings (a speech encoder's input frames: twice)
+POSITIONS = ("max_source_positions", "max_target_positions")
 
 
 def tiny_config(config_class, **overrides):
     """`config_class` with the TINY sizes it has attributes for, every dropout / jitter at 0, then `overrides`."""
     defaults = config_class()
-    kwargs = {k: v for k, v in TINY.items() if _has(defaults, k)}
+    kwargs = {k: v for k, v in TINY.items() if _has(defaults, k) and not _read_only(config_class, k)}
     mla = any(k.endswith("lora_rank") for k in vars(defaults))
     if mla and "num_key_value_heads" in kwargs:  # latent attention expands its keys/values to every head
         kwargs["num_key_value_heads"] = TINY["num_attention_heads"]
@@ -59,6 +63,16 @@ def tiny_config(config_class, **overrides):
             kwargs[key] = VOCAB
         elif key.endswith(("intermediate_size", "ffn_hidden_size")) and value > TINY["intermediate_size"]:
             kwargs[key] = TINY["intermediate_size"]  # (experts', shared experts')
+        elif key.startswith(("encoder_", "decoder_")) and key.endswith("_attention_heads"):
+            kwargs[key] = TINY["num_attention_heads"]
+        elif key.startswith(("encoder_", "decoder_")) and key.endswith("_ffn_dim"):
+            kwargs[key] = TINY["intermediate_size"]
+        elif key.startswith(("encoder_", "decoder_")) and key.endswith("_layers") and value == n_default:
+            kwargs[key] = n  # (an encoder-decoder's other stack, as deep as the one num_hidden_layers names)
+        elif key == "decoder_start_token_id" and value >= VOCAB:  # (a speech decoder's start token)
+            kwargs[key] = TINY["bos_token_id"]
+        elif key in POSITIONS and value > TINY["max_position_embeddings"]:
+            kwargs[key] = TINY["max_position_embeddings"]
         elif key.startswith("hidden_size") and isinstance(hidden, int) and hidden > 0:
             kwargs[key] = max(4, value * TINY["hidden_size"] // hidden)
     head_dim = _value(defaults, "head_dim")
@@ -69,6 +83,8 @@ def tiny_config(config_class, **overrides):
             kwargs[key] = max(2, value * TINY["head_dim"] // head_dim)
         elif key.endswith("lora_rank") and value > 16:
             kwargs[key] = 16
+    if getattr(defaults, "is_encoder_decoder", False) and not _has(defaults, "decoder_start_token_id"):
+        kwargs["decoder_start_token_id"] = TINY["pad_token_id"]  # (T5's decoder starts at its padding token)
     rope = _value(defaults, "rope_parameters")
     if rope == {} and isinstance(kwargs.get("layer_types"), list):  # per layer type, none by default
         kwargs["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": 10000.0}
@@ -82,7 +98,13 @@ def tiny_config(config_class, **overrides):
             if sub is not None:
                 kwargs[key] = sub
     kwargs.update(overrides)
-    return config_class(**kwargs)
+    config = config_class(**kwargs)
+    if not _has(config, "classifier_dropout"):  # a head reading it falls back to 0.1 (GPT-2's token classifier)
+        try:
+            config.classifier_dropout = 0.0
+        except Exception:  # noqa: BLE001  (a config that takes no new attributes: its heads do not read it)
+            pass
+    return config
 
 
 _MISSING = object()
@@ -100,6 +122,12 @@ def _value(config, key: str, default=None):
 
 def _has(config, key: str) -> bool:
     return _value(config, key, _MISSING) is not _MISSING
+
+
+def _read_only(config_class, key: str) -> bool:
+    """A property the config derives and cannot be given (Falcon's head_dim)."""
+    attr = getattr(config_class, key, None)
+    return isinstance(attr, property) and attr.fset is None
 
 
 def _per_layer_overrides(defaults, kwargs: Dict[str, Any], n: int) -> Dict[int, Dict[str, Any]]:

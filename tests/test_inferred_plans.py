@@ -11,7 +11,7 @@ from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconFor
 
 from booster_plugin import Booster, HybridParallelPlugin
 from hp_check.tiny import tiny_config
-from shardformer.policies import PlanRefused, TransformersPlanPolicy, get_autopolicy
+from shardformer.policies import PlanRefused, PlanSource, TransformersPlanPolicy, choose_policy, get_autopolicy
 from shardformer.policies.bloom import BloomPolicy
 from shardformer.policies.falcon import FalconPolicy
 from shardformer.policies.inferred import InferredPolicy, infer_policy
@@ -68,6 +68,12 @@ def test_policy_sources():
     # ViT: its patch embeddings (pixels -> patches) stand as zeros of their output's shape off the first stage
     vit = get_autopolicy(mu.build("vit_cls", 2))
     assert (vit.layers, vit.entry, vit.exit) == ("layers", {"embeddings": SHAPED}, ("layernorm",))
+    # the path that picked it, as the coverage table reports it
+    for kind, source, described in (("llama_lm", PlanSource.TRANSFORMERS, "transformers (TransformersPlanPolicy)"),
+                                    ("opt_inferred_lm", PlanSource.INFERRED, "inferred (InferredPolicy)"),
+                                    ("bert_mlm", PlanSource.HAND_WRITTEN, "hand-written (BertPolicy)")):
+        choice = choose_policy(mu.build(kind, 2))
+        assert (choice.source, choice.describe()) == (source, described), kind
     # a fused projection whose head layout the structure does not tell: refused, with the reason
     japanese = GPTNeoXJapaneseForCausalLM(tiny_config(GPTNeoXJapaneseConfig, num_hidden_layers=2))
     with pytest.raises(PlanRefused, match=r"Nor can a plan be inferred.*'layers\.0\.attention\.query_key_value' "

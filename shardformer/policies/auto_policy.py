@@ -3,8 +3,9 @@ BART, BLOOM, Falcon), else one derived from the plans transformers declares, els
 from the model's structure and proven by one forward when sharding (inferred.py); the path taken is logged on rank 0."""
 from __future__ import annotations
 
+import enum
 import logging
-from typing import Dict, Type
+from typing import Dict, NamedTuple, Type
 
 import torch.distributed as dist
 from torch import nn
@@ -54,13 +55,35 @@ def builtin_policy(model: nn.Module):
     return policy
 
 
+class PlanSource(enum.Enum):
+    """Where a model's policy came from."""
+    HAND_WRITTEN = "hand-written"    # a built-in Policy subclass of the family
+    TRANSFORMERS = "transformers"    # derived from the plans transformers declares (text decoder of a multimodal one)
+    INFERRED = "inferred"            # inferred from the model's structure, proven by one forward when sharded
+
+
+class PolicyChoice(NamedTuple):
+    """The policy picked for a model and the path that picked it."""
+    policy: Policy
+    source: PlanSource
+
+    def describe(self) -> str:
+        """e.g. 'hand-written (BertPolicy)', 'transformers (TransformersPlanPolicy)'."""
+        return f"{self.source.value} ({type(self.policy).__name__})"
+
+
 def get_autopolicy(model: nn.Module) -> Policy:
     """A fresh policy for `model`; a model that cannot be parallelized gets an error saying why and what to do."""
+    return choose_policy(model).policy
+
+
+def choose_policy(model: nn.Module) -> PolicyChoice:
+    """A fresh policy for `model` and its source (raises PlanRefused as get_autopolicy does)."""
     name = type(model).__name__
     builtin = builtin_policy(model)
     if builtin is not None:
         _log(f"{name}: built-in policy {builtin.__name__}.")
-        return builtin()
+        return PolicyChoice(builtin(), PlanSource.HAND_WRITTEN)
     try:
         policy = (MultimodalPolicy if is_multimodal(model) else TransformersPlanPolicy)(model)
     except PlanRefused as refused:
@@ -74,7 +97,7 @@ def get_autopolicy(model: nn.Module) -> Policy:
             else:
                 _log(f"{name}: no transformers plan; policy inferred from its structure (layers '{policy.layers}', "
                      f"{len(policy.tp_plan) + len(policy.head_tp_plan)} tp plan entries), proven when sharded.")
-                return policy
+                return PolicyChoice(policy, PlanSource.INFERRED)
         _log(f"{name}: refused: {refused}")
         raise PlanRefused(
             f"No sharding policy for {name}: {refused} Supported models: {', '.join(sorted(SUPPORTED_MODELS))} "
@@ -84,4 +107,4 @@ def get_autopolicy(model: nn.Module) -> Policy:
             f"HybridParallelPlugin(custom_policy=YourPolicy()).") from None
     _log(f"{name}: policy derived from its transformers plans (layers '{policy.layers}', "
          f"{len(policy.tp_plan) + len(policy.head_tp_plan)} tp plan entries).")
-    return policy
+    return PolicyChoice(policy, PlanSource.TRANSFORMERS)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -68,25 +68,27 @@ def keep_split_through_head(model: nn.Module, tokens: TokenShard, parallel_outpu
 
 class _HeadOnTokens:
     """The head's forward pre-hook and forward hook: in a forward that keeps the split, the head's input becomes this
-    rank's tokens of the gathered sequence and each of its parameters is read through `copy_to_tp` over the sp group
-    (identity forward, gradient summed), restored afterwards."""
+    rank's tokens of the gathered sequence and each parameter of the head (and of modules inside it, e.g. adapters)
+    is read through `copy_to_tp` over the sp group (identity forward, gradient summed), restored afterwards."""
 
     def __init__(self, state: HeadOnShard) -> None:
         self.state = state
-        self.held: Dict[str, nn.Parameter] = {}
+        self.held: List[Tuple[nn.Module, str, nn.Parameter]] = []
 
     def enter(self, module: nn.Module, args: tuple) -> Optional[tuple]:
-        if not self.state.active:
+        if not self.state.active or not args:  # (called with keywords: it runs on the full sequence, as before)
             return None
-        for name, p in list(module._parameters.items()):
-            if p is not None and p.requires_grad:
-                self.held[name] = p
-                module._parameters[name] = copy_to_tp(p, self.state.tokens.group)
+        for owner in module.modules():
+            for name, p in list(owner._parameters.items()):
+                if p is not None and p.requires_grad:
+                    self.held.append((owner, name, p))
+                    owner._parameters[name] = copy_to_tp(p, self.state.tokens.group)
         return (self.state.tokens.of(args[0]), *args[1:])
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
-        module._parameters.update(self.held)
-        self.held = {}
+        for owner, name, p in self.held:
+            owner._parameters[name] = p
+        self.held = []
 
 
 class _LossOnTokens:

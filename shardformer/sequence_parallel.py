@@ -6,8 +6,9 @@ sequence over the tp ranks; everything before (embeddings, rotary tables, masks,
 model's own forward on the full sequence) and after (head, loss) is as with tensor parallelism alone. A forward
 pre-hook on the first layer keeps this rank's chunk (its gradient is all-gathered back) and a forward hook on the
 last split module gathers the chunks (its gradient is split); with pipeline parallelism the stages in between send
-and receive the shard. "all_to_all" and "ring_attn" then run the LM head and the model's own causal-LM loss on this
-rank's tokens again in a training forward with labels (sequence_loss.py). Modes:
+and receive the shard. Over a group of its own ("all_to_all", "ring_attn" with sp_size > 1) the LM head and the
+model's own causal-LM loss then run on this rank's tokens again in a training forward with labels
+(sequence_loss.py). Modes:
 
 - "split_gather" (Megatron-LM): weights split as with tp alone. Each column-parallel layer (or its tp region, e.g.
   the attention) all-gathers its input along the sequence and keeps only the shard for backward; each row-parallel
@@ -231,7 +232,7 @@ def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceS
         mode: "split_gather", "all_to_all" or "ring_attn".
         group: the tp group, or with `own_group` the sequence-parallel group of its own (every parameter of the
             span, tensor-split or not, then sees this rank's part of the sequence: its gradient is summed over it).
-        parallel_output: "all_to_all" and "ring_attn" may keep the sequence split through the LM head and loss.
+        parallel_output: over a group of its own, the LM head and loss may run on this rank's tokens.
 
     Returns the split head's state where this stage keeps the sequence split through it (sequence_loss.py).
     """
@@ -242,7 +243,9 @@ def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceS
     span.first.register_forward_pre_hook(_SplitSequence(group, world, rank, zigzag, "sp_size" if own_group else
                                                         "tp_size"), with_kwargs=True)
     span.last.register_forward_hook(_GatherSequence(tokens))
-    head = keep_split_through_head(model, tokens, parallel_output) if mode != "split_gather" else None
+    # over a group of its own (all_to_all, ring_attn): the tp ranks of a head share their tokens, as the
+    # vocab-parallel loss needs
+    head = keep_split_through_head(model, tokens, parallel_output) if own_group else None
     if mode == "split_gather":
         prefix = policy.base_prefix + policy.layers + "."
         for path, module in model.named_modules():

@@ -31,9 +31,9 @@ __all__ = ["HeadOnShard", "keep_split_through_head"]
 
 
 class HeadOnShard:
-    """Whether the running forward keeps the sequence split through the head (a training forward with labels),
-    and the tokens this rank holds. Set by a forward pre-hook of the model, read by the span's gather hook, the
-    head's hooks and the plugin's merge of pipeline outputs."""
+    """Whether the running forward runs the head on this rank's tokens (a training forward with labels), and the
+    tokens this rank holds. Set by a forward pre-hook of the model, read by the head's hooks and the plugin's merge
+    of pipeline outputs."""
 
     def __init__(self, tokens: TokenShard) -> None:
         self.tokens = tokens
@@ -44,6 +44,7 @@ class HeadOnShard:
 
 
 def _labels(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
+    """The `labels` argument of a call of the model (keyword or positional), None when not given."""
     if "labels" in kwargs or not args:
         return kwargs.get("labels")
     names = list(inspect.signature(model.forward).parameters)

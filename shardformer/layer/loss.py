@@ -134,7 +134,7 @@ def _shifted(labels: Tensor, ignore_index: int, shift_labels: Tensor | None) -> 
 
 class TokenShard(NamedTuple):
     """The tokens of the sequence (dim 1) one rank of `group` holds: its contiguous 1/world, or with `zigzag` its two
-    chunks of 2 * world (ring attention's layout, ring_layout.shard_zigzag)."""
+    chunks of 2 * world (ring attention's layout, ring_layout.shard_zigzag); `of` copies them (differentiable)."""
     group: ProcessGroup
     world: int
     rank: int
@@ -144,7 +144,8 @@ class TokenShard(NamedTuple):
         """This rank's tokens of the full-sequence `x`."""
         if self.zigzag:
             return shard_zigzag(x, self.world, self.rank, dim=1)
-        return x.chunk(self.world, dim=1)[self.rank]
+        # a copy: a contiguous chunk (batch 1) is a view that would keep the whole tensor's storage alive for backward
+        return x.chunk(self.world, dim=1)[self.rank].clone(memory_format=torch.contiguous_format)
 
 
 def causal_lm_loss_on_tokens(

@@ -22,7 +22,8 @@ Variants, each rank one thread (gloo, 2 ranks):
     (bench_memory.SavedTensorMeter: saved_tensors_hooks, each storage counted once, parameters excluded), at every
     length, sp=1 vs sp=2 (the larger of the two ranks). Target: sp=2 <= 0.55x sp=1. The longest power-of-two length
     whose activations fit a budget (several budgets; only measured lengths are reported). The same step checks that
-    all variants give the same loss and logits (same weights: no optimizer step in this phase; rank 0's logits).
+    all variants give the same loss and logits (same weights: no optimizer step in this phase; rank 0's logits, which
+    with sp=2 are those of rank 0's tokens: the LM head and loss run on each rank's tokens).
 (2) Speed at --speed-length: forward + backward + AdamW step, all variants built side by side in this one run,
     interleaved rounds in rotated order (benchmarks/_common.interleaved_steps: one warm-up step each, then --rounds
     timed rounds, barrier-to-barrier wall time), medians; tokens/s = L / median step time (one row per step for every
@@ -119,9 +120,10 @@ class Variants:
             booster.backward(out.loss, opt)
         seconds = time.perf_counter() - t0
         opt.zero_grad()
+        head = model.info.sequence_head  # in training with labels the head runs on this rank's tokens only
         return {"peak": meter.peak, "left": meter.current, "loss": out.loss.item(), "seconds": seconds,
                 "by_module": dict(meter.by_module), "state": 4 * state_bytes(params),
-                "logits": out.logits.detach()}  # (the head runs on the gathered, whole sequence)
+                "logits": out.logits.detach(), "tokens": head.tokens if head is not None and head.active else None}
 
     # a whole training step (forward, backward, AdamW): the loss on rank 0 (None where a rank did nothing)
     def step_fn(self, name: str):
@@ -286,7 +288,7 @@ def main() -> None:
             dog.arm(f"activations {name} L={length}", 900)
             local = variants.measure(name, batch)
             if local is not None:
-                logits[name] = local.pop("logits")
+                logits[name] = (local.pop("logits"), local.pop("tokens", None))
             dist.barrier()
             dog.disarm()
             per_rank = C.gather_per_rank(local)
@@ -298,8 +300,9 @@ def main() -> None:
                 "loss": got[0]["loss"], "seconds_one_fwd_bwd": max(r["seconds"] for r in got),
                 "model_state_bytes_per_rank": got[0]["state"]}
             if name != "sp=1" and rank == 0:  # rank 0's logits against one process's (same weights, no step yet)
-                memory[name][length]["logits_max_abs_diff_to_sp1_rank0"] = \
-                    (logits[name] - logits["sp=1"]).abs().max().item()
+                mine, tokens = logits[name]
+                expected = logits["sp=1"][0] if tokens is None else tokens.of(logits["sp=1"][0])  # rank 0's tokens
+                memory[name][length]["logits_max_abs_diff_to_sp1_rank0"] = (mine - expected).abs().max().item()
         del logits
         base = memory["sp=1"][length]
         line = [f"L={length:6d}: sp=1 {base['activations_peak_max'] / MiB:8.1f} MiB ({base['seconds_one_fwd_bwd']:.1f} s)"]

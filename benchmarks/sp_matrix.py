@@ -450,10 +450,12 @@ def render_benchmarks() -> list:
     if os.path.exists(other):
         with open(other) as f:
             big = json.load(f)["activations"]
-        ratios = ", ".join(f"L={k}: {v['ratio_to_sp1']:.3f}" for k, v in big["ring_attn"].items())
-        out += ["", f"With a vocabulary of 32000 (`--vocab 32000 --name context_vocab32000`) ring_attn's ratio is "
-                f"{ratios} (all_to_all the same to 0.001): the head and the loss run on the whole sequence on every sp "
-                "rank (the final norm's output is gathered before `lm_head`), so their logits are not split."]
+        ratios = {mode: ", ".join(f"L={k}: {v['ratio_to_sp1']:.3f}" for k, v in big[mode].items())
+                  for mode in ("ring_attn", "all_to_all")}
+        out += ["", f"With a vocabulary of 32000 (`--vocab 32000 --name context_vocab32000`, "
+                f"`benchmarks/results/context_vocab32000.json`) the ratio is {ratios['ring_attn']} (ring_attn), "
+                f"{ratios['all_to_all']} (all_to_all): the LM head, the logits and the loss run on each rank's tokens "
+                "(`shardformer/sequence_loss.py`), so they are split over sp too."]
     out += ["", "**Longest measured power-of-two length whose activations fit a per-rank budget**", "",
             "| budget | sp=1 | ring_attn | all_to_all |", "|---|---|---|---|"]
     for budget, v in r["longest_length_under_activation_budget"].items():
@@ -464,7 +466,8 @@ def render_benchmarks() -> list:
                 f"{sp['rounds']} interleaved rounds in rotated order, medians. sp=1 is one process on one core doing the "
                 "whole sequence (the other rank idles in a barrier: its CPU time is ~0); sp=2 uses two processes, one "
                 "core each. `x sp=1 (cpu)`: sp=1's CPU seconds per step over the busier sp rank's, what the wall-time "
-                "ratio approaches on idle cores. Target ring_attn >= 1.3x sp=1.", "",
+                "ratio approaches on idle cores. Target ring_attn >= 1.3x sp=1." +
+                (f" {sp['note']}" if sp.get("note") else ""), "",
                 "| variant | median s | tokens/s | x sp=1 (medians) | x sp=1 (paired) | CPU s rank 0 / 1 | x sp=1 (cpu) |",
                 "|---|---|---|---|---|---|---|"]
         for name, v in sp["variants"].items():
@@ -485,25 +488,17 @@ def render_benchmarks() -> list:
 
 
 FINDINGS = [
-    "- **Head and loss are not split over sp** (memory and compute gap, not a correctness bug). `apply_sequence_"
-    "parallelism` (`shardformer/sequence_parallel.py`) gathers the sequence at the final norm's output "
-    "(`_GatherSequence` on the span's last module), so every sp rank runs `lm_head`, the logits and the loss on the "
-    "whole sequence: the saved logits / log-softmax (L x vocab fp32) and the gathered `lm_head` input are not divided "
-    "by sp, and the head's matmuls are repeated on each rank. At vocabulary 1024 this is 40 of the 545 MiB per rank at "
-    "L=16384 and holds the ratio at 0.572 (0.53 with the head split); at vocabulary 32000 (a real tokenizer) the ratio "
-    "is 0.859 and sp barely reduces per-rank activations. ColossalAI keeps the sequence split through the head and "
-    "reduces the loss over the sp group.",
-    "- **The first layer's chunk keeps the whole sequence alive at batch size 1.** `_own_chunk` "
-    "(`shardformer/layer/comm.py`, used by `split_to_tp` in `_SplitSequence`) returns `x.narrow(1, ...).contiguous()`, "
-    "which for a [1, L, H] tensor is already contiguous, i.e. a view sharing the full-length storage (the embedding "
-    "output with all_to_all; the zigzag `index_select` copy with ring_attn). The first layer's input norm saves it for "
-    "backward, so each rank holds L x H x 4 bytes instead of half (input_layernorm 40 MiB instead of 32 at L=16384, "
-    "+8 MiB per rank). With batch > 1 the narrow is not contiguous and is copied. A `.clone()` of the chunk would fix "
-    "it.",
-    "- The rest of the excess (+20 MiB per rank at L=16384, both modes) is the attention's: a new output tensor per "
-    "layer for `o_proj` (all_to_all's exchange back; ring attention's output relayout) and, with ring_attn, the "
-    "saved scaled queries and packed key/value copy in place of sdpa's q, k, v. 476.5 (half of sp=1) + 40 + 8 + 20 = "
-    "544.5 MiB, the measured 544.9.",
+    "- **Head and loss on each rank's tokens** (`shardformer/sequence_loss.py`). With an sp group of its own, a "
+    "training forward with labels runs `lm_head`, the logits and the model's causal-LM loss on each rank's tokens: "
+    "the span's end still gathers the hidden states (the model's code after the final norm sees one process's shapes, "
+    "e.g. GPT-2's view), the head takes this rank's tokens again (a copy: the gathered tensor is not kept for "
+    "backward), the labels are shifted on the full sequence and the token losses are summed over sp. Before, every sp "
+    "rank ran the head and the loss on the whole gathered sequence: the ratio was 0.572 at vocabulary 1024 and 0.859 "
+    "at vocabulary 32000 (now: the table and the vocabulary-32000 sentence above).",
+    "- The excess over half of sp=1 (+20 MiB per rank at L=16384, both modes) is the attention's: a new output tensor "
+    "per layer for `o_proj` (all_to_all's exchange back; ring attention's output relayout) and, with ring_attn, the "
+    "saved scaled queries and packed key/value copy in place of sdpa's q, k, v. 476.5 (half of sp=1) + 20 = 496.5 "
+    "MiB, the measured 496.8 (ring_attn) and 496.6 (all_to_all).",
     "- **ring_attn is slower than all_to_all on CPU** (1.28x vs 1.84x sp=1 at L=8192; CPU seconds per rank 2.95 vs "
     "2.06). Profile of one step (torch.profiler, rank 0): ring attention's blockwise kernel is eager ops on fp32 score "
     "tiles (`aten::bmm` 560 calls, `exp_`, `masked_fill_`, `sub_`), against sdpa's fused CPU flash kernel that "

@@ -20,6 +20,7 @@ from .grad_bucket import BUCKET_BYTES, GradBucket, ReduceAxis, broadcast_params,
 
 if TYPE_CHECKING:
     from shardformer.policies import Policy
+    from shardformer.sequence_loss import HeadOnShard
 
     from .batch_check import BatchLimits
     from .lora import LoRAState
@@ -40,6 +41,7 @@ class ModelInfo:
     batch_limits: "BatchLimits"  # the ids and labels it accepts
     lora: Optional["LoRAState"] = None
     expert_params: FrozenSet[str] = frozenset()  # parameters holding this ep rank's experts only (split over ep)
+    sequence_head: Optional["HeadOnShard"] = None  # sequence parallelism kept split through the LM head and loss
 
 
 class HybridParallelModule(nn.Module):
@@ -188,14 +190,19 @@ class HybridParallelModule(nn.Module):
     @torch.no_grad()
     def full_outputs(self, outputs: Any, loss: Optional[torch.Tensor]) -> Any:
         """Merged pipeline outputs as one process returns them: vocab-parallel logits gathered over tp (padding
-        stripped) whatever the train/eval mode, and `loss` the step's loss instead of one per microbatch.
-        Collective over tp (the last stage's tp ranks all hold outputs)."""
+        stripped) whatever the train/eval mode, logits of this rank's tokens (sequence kept split through the head)
+        over sp, and `loss` the step's loss instead of one per microbatch. Collective over tp and sp (the last
+        stage's ranks all hold outputs)."""
         from shardformer.layer import ColumnParallelLinear
+        from shardformer.sequence_parallel import gather_tokens
 
         if not isinstance(outputs, dict):
             return outputs
         heads = [m for m in self.module.modules() if isinstance(m, ColumnParallelLinear) and m.gather_output_in_eval]
         logits = outputs.get("logits")
+        split = self.info.sequence_head
+        if split is not None and split.active and logits is not None:
+            outputs["logits"] = logits = gather_tokens(logits, split.tokens)
         if heads and logits is not None and not heads[0].gathers_output:
             outputs["logits"] = heads[0].gather(logits)
         if outputs.get("loss") is not None:

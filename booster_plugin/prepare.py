@@ -78,7 +78,7 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
                                  sequence_multiple=_sequence_multiple(opts.sharding, ctx),
                                  ragged=image_rows(model.config) if hasattr(model, "config") else None), lora)
     sharder, shared_names = _shard(model, policy, opts, ctx, stage_manager)
-    info = replace(info, expert_params=frozenset(sharder.expert_params))
+    info = replace(info, expert_params=frozenset(sharder.expert_params), sequence_head=sharder.sequence_head)
     params = dict(model.named_parameters(remove_duplicate=False))
     shared = []
     for names in shared_names:  # every rank creates every group, in the same order

@@ -16,7 +16,7 @@ from .layer.embedding import VocabParallelEmbedding, vocab_parallel_lm_head
 from .layer.experts import split_experts
 from .layer.head_embedding import HeadParallelEmbedding
 from .layer.linear import ColumnParallelLinear, RowParallelLinear
-from .layer.loss import parallel_causal_lm_loss
+from .layer.loss import parallel_causal_lm_loss, vocab_parallel_cross_entropy
 from .layer.replicated import keep_own_head, sum_grads_over_tp, sum_tail_grad_over_tp
 from .layer.spec import TPSpec, padded_size, shard_parameter
 from .layer.vocab_split import shard_embedding_in_place
@@ -25,7 +25,7 @@ from .stage import Released, get_submodule_parent, replace_submodule
 from .styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, ParallelStyle, Rowwise, SharedTailGrad,
                      SplitParam, VocabEmbedding, VocabHead)
 
-__all__ = ["TPContext", "STYLE_TABLE", "apply_styles"]
+__all__ = ["TPContext", "STYLE_TABLE", "apply_styles", "computes_causal_lm_loss", "ParallelCausalLMLoss"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def _vocab_embedding(module: nn.Module, style: VocabEmbedding, ctx: TPContext) -
     return VocabParallelEmbedding.from_native_module(module, ctx.group, make_vocab_size_divisible_by=ctx.vocab_multiple)
 
 
-def _computes_causal_lm_loss(model: nn.Module) -> bool:
+def computes_causal_lm_loss(model: nn.Module) -> bool:
     """Whether the model's forward takes its loss from `self.loss_function` with causal-LM semantics (the only loss
     the vocab-parallel cross-entropy stands in for); a head computing its own (GPT-2's double heads, BERT's
     pre-training) or another loss type (a masked LM's) needs the full logits."""
@@ -88,12 +88,12 @@ def _computes_causal_lm_loss(model: nn.Module) -> bool:
 
 
 def _vocab_head(module: nn.Module, style: VocabHead, ctx: TPContext) -> nn.Module:
-    gather = style.gather_output or not ctx.parallel_output or not _computes_causal_lm_loss(ctx.model)
+    gather = style.gather_output or not ctx.parallel_output or not computes_causal_lm_loss(ctx.model)
     padded = padded_size(module.out_features, ctx.tp_size, ctx.vocab_multiple)
     head = vocab_parallel_lm_head(module, ctx.group, gather_output=gather, padded_vocab=padded)
     if not gather:  # the model's own loss must then be the vocab-parallel cross-entropy
         head.gather_output_in_eval = True
-        ctx.model.loss_function = _ParallelCausalLMLoss(ctx.group, head.output_start, module.out_features)
+        ctx.model.loss_function = ParallelCausalLMLoss(ctx.group, head.output_start, module.out_features)
     return head
 
 
@@ -143,7 +143,7 @@ def apply_styles(ctx: TPContext, style_of: Callable[[str], Optional[ParallelStyl
             setattr(parent, attr, shard_parameter(p, spec, dist.get_rank(ctx.group), ctx.tp_size))
 
 
-class _ParallelCausalLMLoss:
+class ParallelCausalLMLoss:
     """`model.loss_function` for a vocab-parallel LM head: same semantics as transformers' ForCausalLMLoss."""
 
     def __init__(self, group: ProcessGroup, vocab_start: int, vocab_size: int) -> None:
@@ -155,3 +155,8 @@ class _ParallelCausalLMLoss:
             return ForCausalLMLoss(logits, labels, vocab_size=self.vocab_size, **kwargs)
         return parallel_causal_lm_loss(logits, labels, vocab_size=self.vocab_size, tp_group=self.group,
                                        vocab_start=self.vocab_start, **kwargs)
+
+    def token_losses(self, logits, targets, ignore_index: int = -100):
+        """Per-token cross entropy of this rank's vocabulary columns `logits` (0 where ignored)."""
+        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_start, ignore_index, "none",
+                                            vocab_size=self.vocab_size)

@@ -6,7 +6,9 @@ sequence over the tp ranks; everything before (embeddings, rotary tables, masks,
 model's own forward on the full sequence) and after (head, loss) is as with tensor parallelism alone. A forward
 pre-hook on the first layer keeps this rank's chunk (its gradient is all-gathered back) and a forward hook on the
 last split module gathers the chunks (its gradient is split); with pipeline parallelism the stages in between send
-and receive the shard. Modes:
+and receive the shard. Over a group of its own ("all_to_all", "ring_attn" with sp_size > 1) the LM head and the
+model's own causal-LM loss then run on this rank's tokens again in a training forward with labels
+(sequence_loss.py). Modes:
 
 - "split_gather" (Megatron-LM): weights split as with tp alone. Each column-parallel layer (or its tp region, e.g.
   the attention) all-gathers its input along the sequence and keeps only the shard for backward; each row-parallel
@@ -34,15 +36,17 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from .layer import ColumnParallelLinear, RowParallelLinear, gather_from_tp, split_to_tp
+from .layer.loss import TokenShard
 from .layer.ring_layout import zigzag_index
 from .layer.spec import get_tp_spec
 from .layer.replicated import sum_grad_over_tp
 from .policies.base import Colwise, KVHeads, Policy, Rowwise, SharedTailGrad, SplitParam
 from .ring_sequence import use_ring_attention
+from .sequence_loss import HeadOnShard, keep_split_through_head
 from .ulysses import SEQUENCE_DIM, use_ulysses_attention
 
 __all__ = ["SEQUENCE_PARALLEL_MODES", "SEQUENCE_DIM", "SequenceParallel", "SequenceSpan", "resolve_mode", "check_sequence_parallelism",
-           "inside_layers", "sequence_span", "apply_sequence_parallelism"]
+           "inside_layers", "sequence_span", "apply_sequence_parallelism", "gather_tokens"]
 
 SEQUENCE_PARALLEL_MODES = ("split_gather", "all_to_all", "ring_attn")
 
@@ -217,7 +221,8 @@ def sequence_span(policy: Policy) -> SequenceSpan:
 
 
 def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceSpan, mode: str,
-                               group: ProcessGroup, own_group: bool = False) -> None:
+                               group: ProcessGroup, own_group: bool = False,
+                               parallel_output: bool = True) -> Optional[HeadOnShard]:
     """Split the sequence over `group` in `span`, on a model already sharded for tp; see the module docstring.
 
     Args:
@@ -227,13 +232,20 @@ def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceS
         mode: "split_gather", "all_to_all" or "ring_attn".
         group: the tp group, or with `own_group` the sequence-parallel group of its own (every parameter of the
             span, tensor-split or not, then sees this rank's part of the sequence: its gradient is summed over it).
+        parallel_output: over a group of its own, the LM head and loss may run on this rank's tokens.
+
+    Returns the split head's state where this stage keeps the sequence split through it (sequence_loss.py).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     held: List[nn.Module] = list(policy.layer_list())
     zigzag = mode == "ring_attn"
+    tokens = TokenShard(group, world, rank, zigzag)
     span.first.register_forward_pre_hook(_SplitSequence(group, world, rank, zigzag, "sp_size" if own_group else
                                                         "tp_size"), with_kwargs=True)
-    span.last.register_forward_hook(_GatherSequence(group, world, zigzag))
+    span.last.register_forward_hook(_GatherSequence(tokens))
+    # over a group of its own (all_to_all, ring_attn): the tp ranks of a head share their tokens, as the
+    # vocab-parallel loss needs
+    head = keep_split_through_head(model, tokens, parallel_output) if own_group else None
     if mode == "split_gather":
         prefix = policy.base_prefix + policy.layers + "."
         for path, module in model.named_modules():
@@ -248,6 +260,7 @@ def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceS
         use_ulysses_attention(model, held, group, world, rank)
     elif mode == "ring_attn":
         use_ring_attention(model, held, group, world, rank)
+    return head
 
 
 class _SplitSequence:
@@ -281,19 +294,21 @@ class _SplitSequence:
 class _GatherSequence:
     """Forward hook of the span's last module: the full sequence again, in order (training mode)."""
 
-    def __init__(self, group: ProcessGroup, world: int, zigzag: bool = False) -> None:
-        self.group, self.world, self.zigzag = group, world, zigzag
+    def __init__(self, tokens: TokenShard) -> None:
+        self.tokens = tokens
 
     def __call__(self, module: nn.Module, args: tuple, output: Any):
         if not module.training:
             return None
         if isinstance(output, tuple):
-            return (self._gather(output[0]), *output[1:])
-        return self._gather(output)
+            return (gather_tokens(output[0], self.tokens), *output[1:])
+        return gather_tokens(output, self.tokens)
 
-    def _gather(self, shard: Tensor) -> Tensor:
-        full = gather_from_tp(shard, SEQUENCE_DIM, self.group)
-        if self.zigzag:
-            order = zigzag_index(full.shape[SEQUENCE_DIM], self.world, full.device).argsort()
-            full = full.index_select(SEQUENCE_DIM, order)
-        return full
+
+def gather_tokens(shard: Tensor, tokens: TokenShard) -> Tensor:
+    """The full sequence (dim 1), in order, from every rank's tokens (its gradient: this rank's tokens again)."""
+    full = gather_from_tp(shard, SEQUENCE_DIM, tokens.group)
+    if tokens.zigzag:
+        order = zigzag_index(full.shape[SEQUENCE_DIM], tokens.world, full.device).argsort()
+        full = full.index_select(SEQUENCE_DIM, order)
+    return full

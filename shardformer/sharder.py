@@ -20,6 +20,7 @@ from .regions import enter_tp_regions_once
 from .release import release_unheld
 from .sequence_parallel import (SEQUENCE_DIM, apply_sequence_parallelism, check_sequence_parallelism, inside_layers,
                                 sequence_span)
+from .sequence_loss import HeadOnShard
 from .shard_config import ShardConfig
 from .stage import StageForward, get_submodule_parent
 from .styles import ParallelStyle
@@ -36,6 +37,7 @@ class Sharder:
         self.shard_config = shard_config
         self.stage_forward: Optional[StageForward] = None
         self.expert_params: List[str] = []  # parameters holding this rank's experts only (expert parallel)
+        self.sequence_head: Optional[HeadOnShard] = None  # the sequence kept split through the head (sequence_loss)
         policy.set_model(model)
         policy.set_shard_config(shard_config)
         policy.set_pipeline_stage_manager(shard_config.pipeline_stage_manager)
@@ -69,8 +71,10 @@ class Sharder:
             self._change_attributes()
             self._use_tracker_rng()
         if mode is not None:
-            apply_sequence_parallelism(self.model, self.policy, span, mode, self.shard_config.sp_group,
-                                       own_group=self.shard_config.sequence_parallel_process_group is not None)
+            self.sequence_head = apply_sequence_parallelism(
+                self.model, self.policy, span, mode, self.shard_config.sp_group,
+                own_group=self.shard_config.sequence_parallel_process_group is not None,
+                parallel_output=self.shard_config.parallel_output)
         if self.shard_config.ep_size > 1:  # after the tp split: its hooks run inside the exchange
             self.expert_params = shard_experts(self.model, self._plan_style,
                                                self.shard_config.expert_parallel_process_group)

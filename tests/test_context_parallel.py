@@ -77,3 +77,40 @@ def _errors():
 
 def test_sequence_parallel_errors():
     run_distributed(2, _errors)
+
+
+def _head_on_tokens():
+    """all_to_all / ring_attn in training with labels: the LM head computes logits for this rank's tokens only (the
+    loss is still one process's, with num_items_in_batch too); without labels or in eval mode it sees the whole
+    sequence; pipeline outputs are the whole logits. Full exactness (gradients, AdamW) is check_training's above."""
+    import copy
+
+    import torch
+    reference = mu.build("gpt2_lm")  # tied head: the input embedding's use of the weight is not summed over sp
+    batch = mu.make_batch("gpt2_lm", 4, 0)
+    items = torch.tensor(11)  # transformers' num_items_in_batch: the sum of token losses over it
+    with torch.no_grad():
+        expected = reference(**batch)
+        expected_items = reference(**batch, num_items_in_batch=items).loss
+    for mode in ("all_to_all", "ring_attn"):
+        plugin = HybridParallelPlugin(sp_size=2, sequence_parallelism_mode=mode, num_microbatches=2, **SP)
+        booster = Booster(plugin=plugin)
+        model, *_ = booster.boost(copy.deepcopy(reference))
+        lengths = []
+        model.unwrap().lm_head.register_forward_hook(lambda m, args, out: lengths.append(args[0].shape[1]))
+        model.train()
+        out = model(**batch)
+        mu.assert_close(out.loss, expected.loss, f"{mode} loss")
+        mu.assert_close(model(**batch, num_items_in_batch=items).loss, expected_items, f"{mode} loss over items")
+        model(**{k: v for k, v in batch.items() if k != "labels"})
+        step = booster.execute_pipeline(iter([batch]), model, mu.criterion, return_outputs=True)
+        mu.assert_close(step["outputs"]["logits"], expected.logits, f"{mode} pipeline logits")
+        model.eval()
+        with torch.no_grad():
+            mu.assert_close(model(**batch).logits, expected.logits, f"{mode} eval logits")
+        half = mu.SEQ // 2
+        assert lengths == [half, half, mu.SEQ, half, half, mu.SEQ], (mode, lengths)
+
+
+def test_head_and_loss_on_this_ranks_tokens():
+    run_distributed(2, _head_on_tokens)

@@ -1,15 +1,18 @@
 """Cross-entropy over vocab-sharded logits that never materialises the full logits."""
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from .comm import get_tp_world_size
+from .comm import get_tp_world_size, reduce_from_tp
+from .ring_layout import shard_zigzag
 
-__all__ = ["vocab_parallel_cross_entropy", "parallel_causal_lm_loss"]
+__all__ = ["vocab_parallel_cross_entropy", "parallel_causal_lm_loss", "TokenShard", "causal_lm_loss_on_tokens"]
 
 
 def _all_reduce(x: Tensor, group: ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
@@ -113,9 +116,7 @@ def parallel_causal_lm_loss(
 ) -> Tensor:
     """Vocab-parallel counterpart of transformers' ForCausalLMLoss: next-token loss on vocab-sharded logits."""
     logits = logits.float()
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    shift_labels = shift_labels.to(logits.device)
+    shift_labels = _shifted(labels, ignore_index, shift_labels).to(logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = vocab_parallel_cross_entropy(logits, shift_labels, tp_group, vocab_start, ignore_index, reduction,
                                         vocab_size=vocab_size)
@@ -124,3 +125,50 @@ def parallel_causal_lm_loss(
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss
+
+
+def _shifted(labels: Tensor, ignore_index: int, shift_labels: Tensor | None) -> Tensor:
+    """The label each position predicts (the next token; ignore_index after the last), as ForCausalLMLoss has it."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift_labels is None else shift_labels
+
+
+class TokenShard(NamedTuple):
+    """The tokens of the sequence (dim 1) one rank of `group` holds: its contiguous 1/world, or with `zigzag` its two
+    chunks of 2 * world (ring attention's layout, ring_layout.shard_zigzag); `of` copies them (differentiable)."""
+    group: ProcessGroup
+    world: int
+    rank: int
+    zigzag: bool
+
+    def of(self, x: Tensor) -> Tensor:
+        """This rank's tokens of the full-sequence `x`."""
+        if self.zigzag:
+            return shard_zigzag(x, self.world, self.rank, dim=1)
+        # a copy: a contiguous chunk (batch 1) is a view that would keep the whole tensor's storage alive for backward
+        return x.chunk(self.world, dim=1)[self.rank].clone(memory_format=torch.contiguous_format)
+
+
+def causal_lm_loss_on_tokens(
+    logits: Tensor,
+    labels: Tensor,
+    tokens: TokenShard,
+    token_losses: Callable[[Tensor, Tensor], Tensor],
+    vocab_size: int,
+    ignore_index: int = -100,
+    num_items_in_batch: Tensor | int | None = None,
+    shift_labels: Tensor | None = None,
+) -> Tensor:
+    """ForCausalLMLoss of the whole sequence from this rank's `logits` (batch, its tokens, vocab or vocab shard) and
+    the full `labels`: labels are shifted on the full sequence (a shard's last token predicts the next shard's
+    first), each rank sums its tokens' losses (`token_losses(logits, targets)`, per token, 0 where ignored) over the
+    items of the whole batch (`num_items_in_batch`, else the non-ignored targets of every rank), and the sum over the
+    group is the loss. Labels outside the vocabulary raise on every rank (each checks the full labels) before the
+    sum's collective. Its backward is the identity into each rank's part: every rank backpropagates the same loss,
+    so each rank's logits get exactly one process's gradient of their tokens."""
+    targets = _shifted(labels, ignore_index, shift_labels).to(logits.device)
+    _check_targets(targets, ignore_index, vocab_size)
+    count = (targets != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
+    if torch.is_tensor(count):
+        count = count.to(logits.device)
+    mine = token_losses(logits.float(), tokens.of(targets)).sum() / count
+    return reduce_from_tp(mine, tokens.group)

@@ -9,7 +9,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from shardformer.image_batches import image_batch, vlm_batch
+from shardformer.image_batches import has_image_layout, image_batch, vlm_batch
 
 from .tiny import VOCAB
 
@@ -27,7 +27,10 @@ def batch(size: int, seed: int, model: Optional[nn.Module] = None) -> dict:
     config = getattr(model, "config", None)
     params = _forward_params(model)
     if params is not None and "pixel_values" in params:  # images alone (ViT) or text with images (a VLM)
-        return vlm_batch(model, size, seed) if "input_ids" in params else image_batch(model, size, g)
+        if "input_ids" not in params:
+            return image_batch(model, size, g)
+        if has_image_layout(config):  # (else no images: missing_inputs names pixel_values if the forward needs them)
+            return vlm_batch(model, size, seed)
     choices = head.endswith(("ForMultipleChoice", "DoubleHeadsModel"))
     data = _inputs(size * CHOICES if choices else size, g, config, params)
     ids, mask = data.get("input_ids"), data.get("attention_mask")

@@ -16,7 +16,7 @@ from torch import nn
 
 from .multimodal_batch import FAMILIES
 
-__all__ = ["image_batch", "vlm_batch", "QWEN_GRIDS"]
+__all__ = ["has_image_layout", "image_batch", "vlm_batch", "QWEN_GRIDS"]
 
 QWEN_GRIDS = [(1, 4, 4), (1, 4, 8)]  # t, h, w patches of Qwen-VL's images, in turn
 PER_SAMPLE = ("idefics3", "smolvlm")  # pixel_values (batch, images, C, H, W): images padded per sample
@@ -72,11 +72,16 @@ def _images(config, count: int, g: torch.Generator) -> Tuple[List[torch.Tensor],
         [_tokens_per_image(config)] * count, []
 
 
+def has_image_layout(config) -> bool:
+    """Whether `vlm_batch` knows how the family lays out its images (model_type)."""
+    return config.model_type in FAMILIES or config.model_type in PER_SAMPLE
+
+
 def vlm_batch(model: nn.Module, batch_size: int, seed: int, seq: int = 24) -> Dict[str, torch.Tensor]:
     """Sample i holds i % 3 images (every pair of samples has one); sample 0 is padded on the right."""
     config = model.config
     kind = config.model_type
-    if kind not in FAMILIES and kind not in PER_SAMPLE:
+    if not has_image_layout(config):
         raise ValueError(f"No image batch layout for model_type {kind!r}: known are "
                          f"{sorted((*FAMILIES, *PER_SAMPLE))} (shardformer/image_batches.py).")
     image = _first(config, "image_token_id", "image_token_index")

@@ -4,6 +4,7 @@ are summed over the tp group (each rank's gradient is non-zero only in the rows 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -33,8 +34,11 @@ def sum_grads_over_tp(module: nn.Module, group: ProcessGroup | None) -> None:
         sum_grad_over_tp(p, group)
 
 
-def _summed(grad: Tensor, group: ProcessGroup) -> Tensor:
-    return start_sum(grad, group).wait()  # a new tensor: the hook's gradient may be shared with other uses
+def _summed(grad: Optional[Tensor], group: ProcessGroup) -> Optional[Tensor]:
+    """A use's gradient summed over the group (a new tensor: the hook's gradient may be shared with other uses).
+    None (a zero-bubble input-gradient pass, I, left a linear layer's weight gradient to W): nothing to sum now; W
+    accumulates it through autograd later, which calls this hook with it, in the same order on every rank."""
+    return None if grad is None else start_sum(grad, group).wait()
 
 
 def _narrow(start: int, size: int, module: nn.Module, args, out: Tensor) -> Tensor:

@@ -3,8 +3,8 @@
 Causal attention of one row (batch 1, 4 heads of 64, fp32), forward + backward, at sequence lengths 2k / 4k / 8k;
 also a packed row (documents of 1/8 of the row each, where ring attention skips the cross-document blocks), the
 ring kernel alone (sp=1 on each rank, no communication) and, to compare, the ring at sp=2 with its hand-written
-fallback blocks instead of torch's fused CPU kernel (`ring_blocks.FUSED` emptied). Tokens per second = sequence length / median step
-time. sdpa is measured with 1 and 2 intra-op threads (2 = the same cores the two ranks use).
+fallback blocks instead of torch's fused CPU kernel (`ring_blocks.FUSED` emptied). Tokens per second = sequence
+length / median step time. sdpa is measured with 1 and 2 intra-op threads (2 = the same cores the two ranks use).
 Outside CI.   Run:  python benchmarks/bench_ring_attention.py [--lengths 2048 4096 8192] [--repeats 5]
 """
 from __future__ import annotations

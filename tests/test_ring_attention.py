@@ -62,7 +62,8 @@ def _reference(q, k, v, mask, sinks=None):
 @contextlib.contextmanager
 def _blocks_by(tile_rows, kv_heads):
     """tile_rows None: torch's fused CPU kernels compute the blocks (counted: both must have run on some rank; blocks
-    with uniform rows fall back); else the hand-written fallback (no fused kernels), in row tiles of `tile_rows` queries."""
+    with uniform rows fall back); else the hand-written fallback (no fused kernels), in row tiles of `tile_rows`
+    queries."""
     fused, budget = ring_blocks.FUSED, ring_blocks.TILE_BYTES
     calls = collections.Counter()
     if tile_rows is None:

@@ -6,12 +6,11 @@ t the rank attends its two query chunks to the key/value block of rank (rank - t
 block is already being passed on to the next rank (one batched isend/irecv per step, overlapped with the block
 products). Partial results merge with a running log-sum-exp, so the output is the softmax over all keys; blocks
 the mask masks fully are skipped, blocks it leaves whole run unmasked, diagonal blocks it leaves exactly causal run
-as causal. Each block is computed by `ring_blocks`: torch's fused attention kernel where the device has one (CPU), else
-hand-written fp32 row tiles. The backward runs the same ring: the key/value
-blocks circulate again and their gradient accumulators follow them one step behind (each rank adds its
-contribution to the accumulator it receives and sends it on; after sp steps every accumulator is back at its
-owner). A rank holds at most two key/value blocks and two accumulators (fp32) at a time; nothing is all-gathered
-but sharded position ids (documents="position_ids").
+as causal; each block is computed by `ring_blocks` (torch's fused attention kernel where the device has one, else
+hand-written fp32 row tiles). The backward runs the same ring: the key/value blocks circulate again and their
+gradient accumulators follow them one step behind (each rank adds its contribution to the accumulator it receives
+and sends it on; after sp steps every accumulator is back at its owner). A rank holds at most two key/value blocks
+and two accumulators (fp32) at a time; nothing is all-gathered but sharded position ids (documents="position_ids").
 
 GQA: the query heads of one key/value head are multiplied against that head directly (no repeat). Attention sinks
 (GPT-OSS `s_aux`, one logit per head joining each row's softmax) are supported; the sinks' gradient is this rank's

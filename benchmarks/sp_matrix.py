@@ -489,26 +489,29 @@ FINDINGS = [
     "parallelism` (`shardformer/sequence_parallel.py`) gathers the sequence at the final norm's output "
     "(`_GatherSequence` on the span's last module), so every sp rank runs `lm_head`, the logits and the loss on the "
     "whole sequence: the saved logits / log-softmax (L x vocab fp32) and the gathered `lm_head` input are not divided "
-    "by sp, and the head's matmuls are repeated on each rank. At vocabulary 1024 this is 40 of the 545 MiB per rank at "
-    "L=16384 and holds the ratio at 0.572 (0.53 with the head split); at vocabulary 32000 (a real tokenizer) the ratio "
+    "by sp, and the head's matmuls are repeated on each rank. At vocabulary 1024 this is 40 of the 537 MiB per rank at "
+    "L=16384 and holds the ratio at 0.563 (0.53 with the head split); at vocabulary 32000 (a real tokenizer) the ratio "
     "is 0.859 and sp barely reduces per-rank activations. ColossalAI keeps the sequence split through the head and "
     "reduces the loss over the sp group.",
-    "- **The first layer's chunk keeps the whole sequence alive at batch size 1.** `_own_chunk` "
-    "(`shardformer/layer/comm.py`, used by `split_to_tp` in `_SplitSequence`) returns `x.narrow(1, ...).contiguous()`, "
-    "which for a [1, L, H] tensor is already contiguous, i.e. a view sharing the full-length storage (the embedding "
-    "output with all_to_all; the zigzag `index_select` copy with ring_attn). The first layer's input norm saves it for "
-    "backward, so each rank holds L x H x 4 bytes instead of half (input_layernorm 40 MiB instead of 32 at L=16384, "
-    "+8 MiB per rank). With batch > 1 the narrow is not contiguous and is copied. A `.clone()` of the chunk would fix "
-    "it.",
+    "- **The first layer's chunk kept the whole sequence alive at batch size 1** (fixed): `_own_chunk` "
+    "(`shardformer/layer/comm.py`, used by `split_to_tp` in `_SplitSequence`) returned `x.narrow(1, ...).contiguous()`, "
+    "for a [1, L, H] tensor a view sharing the full-length storage, which the first layer's input norm saved for "
+    "backward (+8 MiB per rank at L=16384: 544.9 MiB, ratio 0.572); it now copies its chunk (536.9 MiB, 0.563).",
     "- The rest of the excess (+20 MiB per rank at L=16384, both modes) is the attention's: a new output tensor per "
     "layer for `o_proj` (all_to_all's exchange back; ring attention's output relayout) and, with ring_attn, the "
-    "saved scaled queries and packed key/value copy in place of sdpa's q, k, v. 476.5 (half of sp=1) + 40 + 8 + 20 = "
-    "544.5 MiB, the measured 544.9.",
-    "- **ring_attn is slower than all_to_all on CPU** (1.28x vs 1.84x sp=1 at L=8192; CPU seconds per rank 2.95 vs "
-    "2.06). Profile of one step (torch.profiler, rank 0): ring attention's blockwise kernel is eager ops on fp32 score "
-    "tiles (`aten::bmm` 560 calls, `exp_`, `masked_fill_`, `sub_`), against sdpa's fused CPU flash kernel that "
-    "all_to_all keeps; and with sp=2 each rank computes 5 chunk-by-chunk blocks (2 of them diagonal, computed whole "
-    "then masked) for 4 blocks of causal work (+25%). Exact results, speed only.",
+    "saved scaled queries and packed key/value copy in place of sdpa's q, k, v. 476.5 (half of sp=1) + 40 + 20 = "
+    "536.5 MiB, the measured 536.9.",
+    "- **ring_attn's blocks run in torch's fused CPU attention kernel** (`shardformer/layer/ring_blocks.py`: "
+    "`_scaled_dot_product_flash_attention_for_cpu` and its backward, which return / take the log-sum-exp; diagonal "
+    "blocks as is_causal, so their upper triangle is not computed; masked blocks with an additive mask; each block's "
+    "backward with the final output and log-sum-exp, so the blocks' gradients sum to the exact total). Before, its "
+    "blocks were hand-written eager ops on fp32 score tiles (`aten::bmm` 560 calls per step, `exp_`, `masked_fill_`), "
+    "diagonal blocks computed whole then masked: 1.28x sp=1 (CPU seconds 1.33x) on a quiet machine (2026-11-25) "
+    "against all_to_all's 1.84x. They stay as the fallback (devices without a fused kernel in `ring_blocks.FUSED`, "
+    "i.e. CUDA today; eager's rows without any key; key and value head dims that differ) and run as the variant "
+    "`ring_attn sp=2 hand-written blocks` with `--ring-fallback`. In the run above the machine was shared (load "
+    "7-11 on 2 cores): wall-time medians are mostly the other work, the CPU seconds and the fused-vs-hand-written "
+    "pairing (same run, interleaved rounds) are the figures to read.",
     "- torch's own `context_parallel` does not run on CPU (errors above): its SDPA dispatch handles the CUDA "
     "flash / efficient / cudnn ops only; `aten._scaled_dot_product_flash_attention_for_cpu` has no DTensor sharding "
     "strategy, and the math backend mixes DTensor and plain tensors.",

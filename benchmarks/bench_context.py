@@ -3,7 +3,7 @@ for activation memory per rank and for training speed, plus torch's own context 
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 benchmarks/bench_context.py
         [--lengths 1024 2048 4096 8192 16384] [--speed-length 8192] [--rounds 5] [--budgets-mib 64 96 ... 1024]
-        [--vocab 1024] [--name context] [--skip-speed] [--skip-cp]
+        [--vocab 1024] [--name context] [--skip-speed] [--skip-cp] [--ring-fallback]
 
 Model: Llama hidden 256, 2 layers, 4 heads (4 kv heads), ffn 1024, vocabulary 1024 (--vocab; untied), fp32, sdpa, AdamW
 (lr 1e-3); one row of L random tokens (labels = input ids: HF's shifted causal loss), no padding.
@@ -15,6 +15,8 @@ Variants, each rank one thread (gloo, 2 ranks):
   ring_attn     HybridParallelPlugin(sp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode=
                 "ring_attn") over both ranks (each rank one core): dp 1, the row split over the two ranks;
   all_to_all    the same with sequence_parallelism_mode="all_to_all" (Ulysses);
+  ring_attn hand-written blocks  (--ring-fallback, speed only) ring_attn with its hand-written fallback blocks instead
+                of torch's fused CPU attention kernel (`ring_blocks.FUSED` emptied during its steps);
   torch CP      torch.distributed.tensor.experimental.context_parallel over a 2-rank CPU DeviceMesh (tried; when it
                 fails the exact error is recorded; when it runs and matches the sp=1 loss it is timed too).
 
@@ -48,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from bench_memory import SavedTensorMeter
+from shardformer.layer import ring_blocks
 
 NAME = "context"
 MODEL = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -79,7 +82,7 @@ def state_bytes(params) -> int:
 class Variants:
     """The models of every variant, built once from the same weights."""
 
-    def __init__(self, reference, rank: int) -> None:
+    def __init__(self, reference, rank: int, ring_fallback: bool = False) -> None:
         from booster_plugin import Booster, HybridParallelPlugin
         self.rank = rank
         self.sp1 = copy.deepcopy(reference)
@@ -87,13 +90,13 @@ class Variants:
         self.sp1_threads2 = copy.deepcopy(reference)
         self.sp1_threads2_opt = torch.optim.AdamW(self.sp1_threads2.parameters(), lr=1e-3)
         self.sp = {}
-        for mode in SP_VARIANTS:
+        for mode in SP_VARIANTS + (("ring_attn",) if ring_fallback else ()):
             plugin = HybridParallelPlugin(sp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode=mode)
             assert plugin.dp_size == 1 and plugin.ctx.sp.size == 2
             booster = Booster(plugin=plugin)
             model, opt = C.boost_copy(booster, reference)
             model.train()
-            self.sp[mode] = (plugin, booster, model, opt)
+            self.sp[mode if mode not in self.sp else f"{mode} hand-written blocks"] = (plugin, booster, model, opt)
 
     # one forward + backward (no optimizer step) under the saved-tensor meter: (peak bytes, loss, seconds)
     def measure(self, name: str, batch):
@@ -145,12 +148,17 @@ class Variants:
                 return loss.item()
             return step
         plugin, booster, model, opt = self.sp[name]
+        kernels = {} if name.endswith("hand-written blocks") else ring_blocks.FUSED
 
         def step(batch):
-            loss = model(**batch).loss
-            booster.backward(loss, opt)
-            opt.step()
-            opt.zero_grad()
+            fused, ring_blocks.FUSED = ring_blocks.FUSED, kernels
+            try:
+                loss = model(**batch).loss
+                booster.backward(loss, opt)
+                opt.step()
+                opt.zero_grad()
+            finally:
+                ring_blocks.FUSED = fused
             return loss.item()
         return step
 
@@ -259,6 +267,8 @@ def main() -> None:
     parser.add_argument("--name", default=NAME, help="results file benchmarks/results/NAME.json (context*)")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-cp", action="store_true", help="do not try torch's context_parallel")
+    parser.add_argument("--ring-fallback", action="store_true",
+                        help="also time ring_attn with its hand-written blocks (the fused kernel's baseline)")
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/context.json")
     args = parser.parse_args()
     if not args.name.startswith("context"):
@@ -274,7 +284,7 @@ def main() -> None:
 
     max_length = max(args.lengths + [args.speed_length])
     reference = build_reference(max_length)
-    variants = Variants(reference, rank)
+    variants = Variants(reference, rank, args.ring_fallback)
     say(f"Llama {MODEL}, {sum(p.numel() for p in reference.parameters()) / 1e6:.2f} M parameters; gloo, 2 ranks, "
         f"1 thread each; load average {C.loadavg()}")
 
@@ -366,6 +376,8 @@ def main() -> None:
                  "sp=1 (1 process, 2 threads)": variants.step_fn("sp=1 2 threads"),
                  "ring_attn sp=2": variants.step_fn("ring_attn"),
                  "all_to_all sp=2": variants.step_fn("all_to_all")}
+        if args.ring_fallback:
+            steps["ring_attn sp=2 hand-written blocks"] = variants.step_fn("ring_attn hand-written blocks")
         if cp is not None:
             steps["torch CP sp=2"] = cp.step
         batches = [row(length, seed=1000 + i) for i in range(args.rounds + 1)]
@@ -393,6 +405,9 @@ def main() -> None:
                                                  "ring_attn", "all_to_all"),
             "ring_attn vs sp=1 2 threads": C.compare(times["ring_attn sp=2"], times["sp=1 (1 process, 2 threads)"],
                                                      "ring_attn", "sp=1 2 threads")}
+        if args.ring_fallback:
+            speed["comparisons"]["ring_attn vs hand-written blocks"] = C.compare(
+                times["ring_attn sp=2"], times["ring_attn sp=2 hand-written blocks"], "fused blocks", "hand-written")
         results["speed"] = {"length": length, "rounds": args.rounds, "variants": speed}
 
     # tables

@@ -1,9 +1,10 @@
 """Ring attention (sp=2, two gloo ranks of one thread each) vs one process's torch sdpa on the full sequence, CPU.
 
 Causal attention of one row (batch 1, 4 heads of 64, fp32), forward + backward, at sequence lengths 2k / 4k / 8k;
-also a packed row (documents of 1/8 of the row each, where ring attention skips the cross-document blocks) and the
-blockwise kernel alone (sp=1 on each rank, no communication). Tokens per second = sequence length / median step
-time. sdpa is measured with 1 and 2 intra-op threads (2 = the same cores the two ranks use).
+also a packed row (documents of 1/8 of the row each, where ring attention skips the cross-document blocks), the
+ring kernel alone (sp=1 on each rank, no communication) and, to compare, the ring at sp=2 with its hand-written
+fallback blocks instead of torch's fused CPU kernel (`ring_blocks.FUSED` emptied). Tokens per second = sequence
+length / median step time. sdpa is measured with 1 and 2 intra-op threads (2 = the same cores the two ranks use).
 Outside CI.   Run:  python benchmarks/bench_ring_attention.py [--lengths 2048 4096 8192] [--repeats 5]
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from shardformer.layer import ring_blocks  # noqa: E402
 from shardformer.layer.ring_attention import RingAttention  # noqa: E402
 from shardformer.layer.ring_layout import shard_zigzag  # noqa: E402
 
@@ -73,18 +75,22 @@ def _rank(rank: int, port: int, lengths, repeats: int, results) -> None:
     for length in lengths:
         q, k, v = (shard_zigzag(t, 2, rank, dim=2) for t in _inputs(length))
         positions = _packed_positions(length)
-        variants = {"ring sp=2 causal": RingAttention(dist.group.WORLD),
-                    "ring sp=2 packed (8 docs)": RingAttention(dist.group.WORLD, positions)}
-        for name, ring in variants.items():
+        variants = {"ring sp=2 causal": (RingAttention(dist.group.WORLD), ring_blocks.FUSED),
+                    "ring sp=2 causal, hand-written blocks": (RingAttention(dist.group.WORLD), {}),
+                    "ring sp=2 packed (8 docs)": (RingAttention(dist.group.WORLD, positions), ring_blocks.FUSED)}
+        fused = ring_blocks.FUSED
+        for name, (ring, kernels) in variants.items():
             dist.barrier()
+            ring_blocks.FUSED = kernels
             seconds = _median_s(_ring_step(ring, q, k, v), repeats)
+            ring_blocks.FUSED = fused
             if rank == 0:
                 results[(name, length)] = seconds
         full = _inputs(length)
         dist.barrier()
         seconds = _median_s(_ring_step(RingAttention(solo), *full), repeats)  # both ranks at once, one each
         if rank == 0:
-            results[("blockwise kernel sp=1 (1 thread)", length)] = seconds
+            results[("ring kernel sp=1 (1 thread)", length)] = seconds
     dist.destroy_process_group()
 
 

@@ -499,11 +499,17 @@ FINDINGS = [
     "per layer for `o_proj` (all_to_all's exchange back; ring attention's output relayout) and, with ring_attn, the "
     "saved scaled queries and packed key/value copy in place of sdpa's q, k, v. 476.5 (half of sp=1) + 20 = 496.5 "
     "MiB, the measured 496.8 (ring_attn) and 496.6 (all_to_all).",
-    "- **ring_attn is slower than all_to_all on CPU** (1.28x vs 1.84x sp=1 at L=8192; CPU seconds per rank 2.95 vs "
-    "2.06). Profile of one step (torch.profiler, rank 0): ring attention's blockwise kernel is eager ops on fp32 score "
-    "tiles (`aten::bmm` 560 calls, `exp_`, `masked_fill_`, `sub_`), against sdpa's fused CPU flash kernel that "
-    "all_to_all keeps; and with sp=2 each rank computes 5 chunk-by-chunk blocks (2 of them diagonal, computed whole "
-    "then masked) for 4 blocks of causal work (+25%). Exact results, speed only.",
+    "- **ring_attn's blocks run in torch's fused CPU attention kernel** (`shardformer/layer/ring_blocks.py`: "
+    "`_scaled_dot_product_flash_attention_for_cpu` and its backward, which return / take the log-sum-exp; diagonal "
+    "blocks as is_causal, so their upper triangle is not computed; masked blocks with an additive mask; each block's "
+    "backward with the final output and log-sum-exp, so the blocks' gradients sum to the exact total). Before, its "
+    "blocks were hand-written eager ops on fp32 score tiles (`aten::bmm` 560 calls per step, `exp_`, `masked_fill_`), "
+    "diagonal blocks computed whole then masked: 1.28x sp=1 (CPU seconds 1.33x) on a quiet machine (2026-11-25) "
+    "against all_to_all's 1.84x. They stay as the fallback (devices without a fused kernel in `ring_blocks.FUSED`, "
+    "i.e. CUDA today; eager's rows without any key; key and value head dims that differ) and run as the variant "
+    "`ring_attn sp=2 hand-written blocks` with `--ring-fallback`. In the run above the machine was shared (load "
+    "7-11 on 2 cores): wall-time medians are mostly the other work, the CPU seconds and the fused-vs-hand-written "
+    "pairing (same run, interleaved rounds) are the figures to read.",
     "- torch's own `context_parallel` does not run on CPU (errors above): its SDPA dispatch handles the CUDA "
     "flash / efficient / cudnn ops only; `aten._scaled_dot_product_flash_attention_for_cpu` has no DTensor sharding "
     "strategy, and the math backend mixes DTensor and plain tensors.",

@@ -4,6 +4,8 @@ position ids and with a given full mask (bool, or additive with rows without any
 full and sliding layers; sdpa and eager) whose forward builds its own mask on the full sequence while hooks run the
 decoder layers on zigzag shards through the ring adapter (what the plugin's integration does) equal the one-process
 model: logits and parameter gradients, for packed rows with and without a cache, right and left padding."""
+import collections
+import contextlib
 import copy
 from types import SimpleNamespace
 
@@ -12,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardformer.layer import ring_attention
+from shardformer.layer import ring_blocks
 from shardformer.layer.ring_attention import RingAttention, register_ring_attention
 from shardformer.layer.ring_layout import (BlockKind, BlockMasks, analyse_mask, document_ids, documents,
                                            gather_zigzag, model_mask, shard_position_ids, shard_zigzag,
@@ -57,18 +59,42 @@ def _reference(q, k, v, mask, sinks=None):
     return (logits.softmax(-1)[..., :-1] @ v).transpose(1, 2)
 
 
+@contextlib.contextmanager
+def _blocks_by(tile_rows, kv_heads):
+    """tile_rows None: torch's fused CPU kernels compute the blocks (counted: both must have run on some rank; blocks
+    with uniform rows fall back); else the hand-written fallback (no fused kernels), in row tiles of `tile_rows`
+    queries."""
+    fused, budget = ring_blocks.FUSED, ring_blocks.TILE_BYTES
+    calls = collections.Counter()
+    if tile_rows is None:
+        kernels = fused["cpu"]
+        ring_blocks.FUSED = {"cpu": kernels._replace(
+            forward=lambda *a: calls.update(["forward"]) or kernels.forward(*a),
+            backward=lambda *a: calls.update(["backward"]) or kernels.backward(*a))}
+    else:
+        ring_blocks.FUSED = {}
+        ring_blocks.TILE_BYTES = {**budget, "cpu": tile_rows * 4 * 2 * kv_heads * S // (2 * dist.get_world_size())}
+    try:
+        yield
+    finally:
+        ring_blocks.FUSED, ring_blocks.TILE_BYTES = fused, budget
+    if tile_rows is None:
+        ran = torch.tensor([calls["forward"], calls["backward"]])
+        dist.all_reduce(ran)
+        assert bool((ran > 0).all()), calls
+
+
 def _check_kernel(position_ids, heads=4, kv_heads=4, window=None, sinks=False, documents="position_ids",
                   tile_rows=None, mask=None):
     """Every rank builds the same full inputs; ring attention on its zigzag shards must give the reference's output
-    and gradients (gathered and unsharded). `tile_rows`: cut each block into row tiles of that many queries. `mask`:
-    a full mask given to the adapter (documents="mask"), instead of the documents of `position_ids`."""
-    if tile_rows is not None:
-        budget = ring_attention._TILE_BYTES
-        ring_attention._TILE_BYTES = {**budget, "cpu": tile_rows * 4 * 2 * kv_heads * S // (2 * dist.get_world_size())}
-        try:
-            return _check_kernel(position_ids, heads, kv_heads, window, sinks, documents, mask=mask)
-        finally:
-            ring_attention._TILE_BYTES = budget
+    and gradients (gathered and unsharded). Blocks by torch's fused kernels, or with `tile_rows` by the hand-written
+    fallback in row tiles of that many queries. `mask`: a full mask given to the adapter (documents="mask"), instead
+    of the documents of `position_ids`."""
+    with _blocks_by(tile_rows, kv_heads):
+        _compare_kernel(position_ids, heads, kv_heads, window, sinks, documents, mask)
+
+
+def _compare_kernel(position_ids, heads, kv_heads, window, sinks, documents, mask):
     world, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, S, 8, generator=g) for h in (heads, kv_heads, kv_heads))
@@ -226,15 +252,18 @@ def _check_refusals():
 
 def _two_ranks():
     _check_refusals()
-    _check_kernel(PLAIN)
-    _check_kernel(PACKED)
+    _check_kernel(PLAIN)  # fused: causal diagonal blocks and full blocks
+    _check_kernel(PLAIN, tile_rows=5)  # the hand-written fallback
+    _check_kernel(PACKED)  # blocks with rows that have no key there (another document)
     _check_kernel(PLAIN, window=7)
     _check_kernel(PACKED, window=20)
     _check_kernel(PACKED, kv_heads=2)
+    _check_kernel(PACKED, kv_heads=2, window=9, sinks=True)
     _check_kernel(PACKED, kv_heads=2, window=9, sinks=True, tile_rows=5)  # tiles of 5, 5, 2 rows per query head
     _check_kernel(PACKED, documents="causal")  # one causal row
     _check_kernel(PLAIN, kv_heads=2, mask=_reference_mask(PACKED, window=20))  # a mask given: blocks are its slices
     left = _padded(lefts=(13, 30))  # row 0's chunk 0 and row 1's chunks 0-1 query rows without any key
+    _check_kernel(PLAIN, kv_heads=2, mask=left)
     _check_kernel(PLAIN, kv_heads=2, mask=left, tile_rows=5)
     _check_kernel(PLAIN, kv_heads=2, mask=_additive(left), tile_rows=5)  # eager: those rows uniform over all keys
     _check_kernel(PLAIN, mask=_additive(left, float("-inf")))  # -inf: those rows 0, as sdpa
@@ -279,9 +308,11 @@ def test_documents_and_block_skips():
     assert documents(PLAIN, 2) is None
     masks = BlockMasks(chunk=12, docs=documents(_packed([[24, 24]] * 2), 2))
     assert masks.kind(2, 0) is BlockKind.SKIP and masks.kind(1, 0) is BlockKind.FULL
-    assert masks.kind(3, 2) is BlockKind.FULL and masks.kind(3, 3) is BlockKind.MASKED
+    assert masks.kind(3, 2) is BlockKind.FULL and masks.kind(3, 3) is BlockKind.CAUSAL  # one document: causal
+    assert BlockMasks(chunk=12, docs=documents(PACKED, 2)).kind(1, 1) is BlockKind.MASKED  # documents in the block
     window = BlockMasks(chunk=12, window=5)
     assert window.kind(1, 0) is BlockKind.MASKED and window.kind(2, 0) is BlockKind.SKIP
+    assert window.kind(1, 1) is BlockKind.MASKED and BlockMasks(chunk=12, window=12).kind(1, 1) is BlockKind.CAUSAL
 
 
 def test_model_mask_blocks():
@@ -293,6 +324,7 @@ def test_model_mask_blocks():
     left = _padded(lefts=(13, 13))
     kinds = model_mask(left, 2).kinds  # keys 0-12 padding: chunk 0's keys are never attended
     assert [kinds[q][0] for q in range(4)] == [BlockKind.SKIP] * 4 and kinds[2][1] is BlockKind.MASKED
+    assert [kinds[q][q] for q in range(4)] == [BlockKind.SKIP, BlockKind.MASKED, BlockKind.CAUSAL, BlockKind.CAUSAL]
     rows, kinds = analyse_mask(_additive(left), 2)
     assert rows[:, 0, :, 0].sum(-1).tolist() == [13, 13] and kinds[0] == (BlockKind.MASKED,) * 4
     assert analyse_mask(_additive(left), 2, uniform=False)[0] is None

@@ -5,16 +5,16 @@ Each rank holds its zigzag part (`ring_layout`) of the queries, keys and values.
 t the rank attends its two query chunks to the key/value block of rank (rank - t) mod sp (two chunks) while that
 block is already being passed on to the next rank (one batched isend/irecv per step, overlapped with the block
 products). Partial results merge with a running log-sum-exp, so the output is the softmax over all keys; blocks
-the mask masks fully are skipped, blocks it leaves whole run unmasked. The backward runs the same ring: the key/value
-blocks circulate again and their gradient accumulators follow them one step behind (each rank adds its
-contribution to the accumulator it receives and sends it on; after sp steps every accumulator is back at its
-owner). A rank holds at most two key/value blocks and two accumulators (fp32) at a time; nothing is all-gathered
-but sharded position ids (documents="position_ids"). Each block is computed in row tiles of bounded size
-(`_TILE_BYTES` of fp32 scores).
+the mask masks fully are skipped, blocks it leaves whole run unmasked, diagonal blocks it leaves exactly causal run
+as causal; each block is computed by `ring_blocks` (torch's fused attention kernel where the device has one, else
+hand-written fp32 row tiles). The backward runs the same ring: the key/value blocks circulate again and their
+gradient accumulators follow them one step behind (each rank adds its contribution to the accumulator it receives
+and sends it on; after sp steps every accumulator is back at its owner). A rank holds at most two key/value blocks
+and two accumulators (fp32) at a time; nothing is all-gathered but sharded position ids (documents="position_ids").
 
-GQA: the query heads of one key/value head are grouped and multiplied against that head directly (no repeat).
-Attention sinks (GPT-OSS `s_aux`, one logit per head joining each row's softmax) are supported; the sinks'
-gradient is this rank's part (sum it over the group as for any replicated parameter). Scores and softmax are fp32.
+GQA: the query heads of one key/value head are multiplied against that head directly (no repeat). Attention sinks
+(GPT-OSS `s_aux`, one logit per head joining each row's softmax) are supported; the sinks' gradient is this rank's
+part (sum it over the group as for any replicated parameter). Scores, softmax and the merged output are fp32.
 
 `RingAttention` is a transformers attention function; `register_ring_attention(name, RingAttention(group))` registers it
 with sdpa's (or eager's) mask function, so that the ring reads the very mask the one-process model builds.
@@ -24,13 +24,14 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from .ring_blocks import Block, block_backward, block_forward, finite, merge
 from .ring_layout import (BlockKind, BlockMasks, HeadGroups, ModelMask, analyse_mask, documents, gather_zigzag,
                           kv_grads, output_grad, output_layout, pack_kv, query_blocks, query_grad, unpack_kv,
                           zigzag_chunks)
@@ -45,60 +46,6 @@ class RingSpec(NamedTuple):
     rank: int
     scale: float
     masks: Union[BlockMasks, ModelMask]
-
-
-Mask = Optional[Tuple[Tensor, Optional[Tensor]]]  # (masked pairs, uniform rows or None) of one tile; None: no mask
-
-
-_TILE_BYTES = {"cpu": 8 << 20, None: 256 << 20}  # fp32 scores per row tile, by device type (None: others)
-
-
-# -- one block -------------------------------------------------------------------------------------------------------
-def _finite(lse: Tensor) -> Tensor:
-    """-inf (a row with no key yet) -> 0, so that exp(score - lse) is 0 instead of nan there."""
-    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-
-
-def _scores(q: Tensor, k: Tensor, mask: Mask) -> Tensor:
-    """fp32 scores [b, hkv, rows, c] of queries already multiplied by the softmax scale; masked pairs are -inf, the
-    other pairs of uniform rows 0 (their softmax is uniform; gradients flow through the scores as in eager)."""
-    s = torch.matmul(q, k.transpose(-1, -2)).float()
-    if mask is None:
-        return s
-    masked, uniform = mask
-    if uniform is not None:
-        s.masked_fill_(uniform, 0.0)
-    return s.masked_fill_(masked, float("-inf"))
-
-
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, masked: Mask) -> Tuple[Tensor, Tensor]:
-    """Softmax attention of query rows over one key chunk: (output normalized over this chunk, fp32; its
-    log-sum-exp [b, hkv, rows], -inf for rows without any key here, whose output is 0)."""
-    s = _scores(q, k, masked)
-    top = _finite(s.amax(dim=-1, keepdim=True))
-    p = s.sub_(top).exp_()
-    total = p.sum(dim=-1, keepdim=True)
-    lse = (top + total.log()).squeeze(-1)
-    return torch.matmul(p.to(v.dtype), v).float().div_(total.clamp_min_(torch.finfo(total.dtype).tiny)), lse
-
-
-def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
-    """out, lse (in place) := the softmax over the keys of both (log-sum-exp weighting)."""
-    new = torch.logaddexp(lse, block_lse)
-    safe = _finite(new)
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
-    lse.copy_(new)
-
-
-def _block_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, lse: Tensor, delta: Tensor,
-                    masked: Mask) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients (fp32) of one block for the scaled queries (multiply by the scale for the queries'), keys and
-    values, recomputing its probabilities from the final log-sum-exp `lse` (-inf for a row without any key, whose
-    probabilities are 0); `delta` = rowsum(grad * final output)."""
-    p = _scores(q, k, masked).sub_(_finite(lse).unsqueeze(-1)).exp_()
-    dv = torch.matmul(p.to(grad.dtype).transpose(-1, -2), grad)
-    ds = torch.matmul(grad, v.transpose(-1, -2)).float().sub_(delta.unsqueeze(-1)).mul_(p).to(q.dtype)
-    return torch.matmul(ds, k).float(), torch.matmul(ds.transpose(-1, -2), q).float(), dv.float()
 
 
 # -- the ring --------------------------------------------------------------------------------------------------------
@@ -116,48 +63,51 @@ def _wait(works: List[Any]) -> None:
         work.wait()
 
 
-def _work(spec: RingSpec, step: int, n: HeadGroups, device: torch.device):
-    """What to compute at `step`: (query slot, key slot, query rows, mask of those rows or None) per row tile of
-    each unskipped block (slots: the two local chunks). A tile lies inside one query head of a group, at most
-    `_TILE_BYTES` of fp32 scores (whole blocks are ~2x slower on CPU at c=4096: the scores leave the cache)."""
-    size = max(1, min(n.c, _TILE_BYTES.get(device.type, _TILE_BYTES[None]) // (4 * n.b * n.hkv * n.c)))
-    tiles = [(slice(j * n.c + r, j * n.c + min(r + size, n.c)), slice(r, min(r + size, n.c)))
-             for j in range(n.g) for r in range(0, n.c, size)]
+def _blocks(spec: RingSpec, step: int) -> Iterator[Tuple[int, int, Block]]:
+    """What to compute at `step`: (query slot, key slot, block) of each unskipped block (slots: the two local
+    chunks)."""
     source = (spec.rank - step) % spec.world
     for qi, q_chunk in enumerate(zigzag_chunks(spec.world, spec.rank)):
         for ki, k_chunk in enumerate(zigzag_chunks(spec.world, source)):
             kind = spec.masks.kind(q_chunk, k_chunk)
-            if kind is BlockKind.SKIP:
-                continue
-            mask = None
-            if kind is BlockKind.MASKED:
-                mask = spec.masks.masked(q_chunk, k_chunk, device), spec.masks.uniform(q_chunk, device)
-            for rows, positions in tiles:
-                yield qi, ki, rows, None if mask is None else tuple(
-                    None if m is None else m[:, :, positions] for m in mask)
+            if kind is not BlockKind.SKIP:
+                yield qi, ki, Block(kind, spec.masks, q_chunk, k_chunk)
+
+
+def _heads(x: Tensor, n: HeadGroups) -> Tensor:
+    """[2, b, hkv, g*c, ...] -> the same memory as [2, b, h, c, ...] (query head h = kv_head * g + j)."""
+    return x.view(2, n.b, n.hkv * n.g, n.c, *x.shape[4:])
 
 
 def _ring_forward(q: Tensor, kv: Tensor, spec: RingSpec, n: HeadGroups) -> Tuple[Tensor, Tensor]:
     """Output [2, b, hkv, g*c, dv] (fp32) and log-sum-exp [2, b, hkv, g*c] of the local queries over all keys."""
     out = q.new_zeros((2, n.b, n.hkv, n.g * n.c, n.dv), dtype=torch.float32)
     lse = torch.full(out.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    queries, out_heads, lse_heads = _heads(q, n), _heads(out, n), _heads(lse, n)
     for step in range(spec.world):
         incoming = torch.empty_like(kv) if step < spec.world - 1 else None
         works = _post(spec, [kv], [incoming]) if incoming is not None else []
         keys, values = unpack_kv(kv, n)
-        for qi, ki, rows, masked in _work(spec, step, n, q.device):
-            o, l = _block_forward(q[qi, :, :, rows], keys[ki], values[ki], masked)
-            _merge(out[qi, :, :, rows], lse[qi, :, :, rows], o, l)
+        for qi, ki, block in _blocks(spec, step):
+            merge(out_heads[qi], lse_heads[qi], *block_forward(queries[qi], keys[ki], values[ki], block))
         _wait(works)
         kv = incoming
     return out, lse
 
 
-def _ring_backward(q: Tensor, kv: Tensor, lse: Tensor, grad: Tensor, delta: Tensor, spec: RingSpec,
-                   n: HeadGroups) -> Tuple[Tensor, Tensor]:
+class _Rows(NamedTuple):
+    """What the backward of every block reads per local query row, each [2, b, h, c, ...] (`_heads`)."""
+    grad: Tensor  # the output's gradient, in the queries' dtype
+    out: Tensor  # the final output, in the queries' dtype
+    lse: Tensor  # the final log-sum-exp, fp32, made finite (`finite`)
+    delta: Tensor  # rowsum(grad * final output), fp32
+
+
+def _ring_backward(q: Tensor, kv: Tensor, rows: _Rows, spec: RingSpec, n: HeadGroups) -> Tuple[Tensor, Tensor]:
     """(dq [2, b, hkv, g*c, dk], d(kv) flat) in fp32. Accumulator of step t travels to the next rank, which holds
     that block at step t + 1; the one sent at the last step reaches the block's owner."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    queries, dq_heads = _heads(q, n), _heads(dq, n)
     sent: List[Any] = []
     for step in range(spec.world):
         arriving = torch.empty(kv.shape, dtype=torch.float32, device=kv.device) if step > 0 else None
@@ -166,10 +116,9 @@ def _ring_backward(q: Tensor, kv: Tensor, lse: Tensor, grad: Tensor, delta: Tens
         acc = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         keys, values = unpack_kv(kv, n)
         dkeys, dvalues = unpack_kv(acc, n)
-        for qi, ki, rows, masked in _work(spec, step, n, q.device):
-            tile = (qi, slice(None), slice(None), rows)
-            bq, bk, bv = _block_backward(q[tile], keys[ki], values[ki], grad[tile], lse[tile], delta[tile], masked)
-            dq[tile] += bq
+        for qi, ki, block in _blocks(spec, step):
+            bq, bk, bv = block_backward(queries[qi], keys[ki], values[ki], *(t[qi] for t in rows), block)
+            dq_heads[qi] += bq
             dkeys[ki] += bk
             dvalues[ki] += bv
         _wait(works)
@@ -228,7 +177,8 @@ class _RingAttentionFn(torch.autograd.Function):
         spec, n = ctx.spec, ctx.heads
         grad = output_grad(grad_output, n)
         delta = (grad.float() * out).sum(-1)
-        dq, dkv = _ring_backward(q, kv, lse, grad.to(q.dtype), delta, spec, n)
+        rows = _Rows(*(_heads(t, n) for t in (grad.to(q.dtype), out.to(q.dtype), finite(lse), delta)))
+        dq, dkv = _ring_backward(q, kv, rows, spec, n)
         dk, dv = kv_grads(dkv, n, *ctx.kv_meta)
         dsinks = _sink_grad(lse, delta, sinks, n) if sinks is not None and ctx.needs_input_grad[3] else None
         return query_grad(dq.mul_(spec.scale), n).to(q.dtype), dk, dv, dsinks, None

@@ -10,7 +10,8 @@ at 0 with the flattening collator). A query attends to a key iff both are in the
 (causal) and, with a sliding window w, the key is fewer than w tokens earlier (transformers' `kv_idx > q_idx - w`).
 
 `BlockMasks` answers, for one (query chunk, key chunk) pair, whether the block is skipped (no pair may attend, in any
-row), computed without a mask (every pair may attend, in every row) or masked, and gives that mask.
+row), computed without a mask (every pair may attend, in every row), exactly causal (a diagonal block whose row i
+attends keys 0..i, in every row: fused kernels take it as is_causal) or masked otherwise, and gives that mask.
 
 The model's own mask: `ModelMask` answers the same questions by reading transformers' 4-D mask of the full sequence
 ([b or 1, 1, S, S] in natural order: bool, True = attend, as `sdpa_mask` builds it; or additive float, 0 = attend and
@@ -136,6 +137,7 @@ class BlockKind(enum.Enum):
     SKIP = 0  # no (query, key) pair of the block may attend, in any row: not computed
     FULL = 1  # every pair may attend, in every row: computed without a mask
     MASKED = 2  # computed with `BlockMasks.masked`
+    CAUSAL = 3  # a diagonal block, query i attends key j iff j <= i, in every row (also what `masked` gives)
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,12 @@ class BlockMasks:
         if self.docs is not None and all(last[k_chunk] < first[q_chunk]
                                          for first, last in zip(self.docs.first, self.docs.last)):
             return BlockKind.SKIP
-        if gap == 0 or (self.window is not None and gap * c + (c - 1) >= self.window):
+        if gap == 0:
+            one_document = self.docs is None or all(first[q_chunk] == last[q_chunk]
+                                                    for first, last in zip(self.docs.first, self.docs.last))
+            return BlockKind.CAUSAL if one_document and (self.window is None or self.window >= c) else \
+                BlockKind.MASKED
+        if self.window is not None and gap * c + (c - 1) >= self.window:
             return BlockKind.MASKED
         if self.docs is not None and any(first[k_chunk] != last[q_chunk]
                                          for first, last in zip(self.docs.first, self.docs.last)):
@@ -246,10 +253,13 @@ def analyse_mask(mask: Tensor, world: int, uniform: bool = True) -> Tuple[Option
     blocks = allowed.reshape(allowed.shape[0], n, c, n, c)
     special = torch.zeros(n, dtype=torch.bool, device=mask.device) if rows is None else \
         rows.reshape(-1, n, c).any(dim=(0, 2))
-    some, every, special = torch.stack([blocks.any(dim=(0, 2, 4)), blocks.all(dim=(0, 2, 4)),
-                                        special[:, None].expand(n, n)]).tolist()
+    tril = torch.ones(c, c, dtype=torch.bool, device=mask.device).tril()
+    causal = (torch.diagonal(blocks, dim1=1, dim2=3) == tril[:, :, None]).all(dim=(0, 1, 2)) & ~special
+    some, every, special, causal = torch.stack([blocks.any(dim=(0, 2, 4)), blocks.all(dim=(0, 2, 4)),
+                                                special[:, None].expand(n, n), causal.diag()]).tolist()
     kinds = tuple(tuple(BlockKind.SKIP if not some[q][k] else
-                        BlockKind.FULL if every[q][k] and not special[q][k] else BlockKind.MASKED
+                        BlockKind.FULL if every[q][k] and not special[q][k] else
+                        BlockKind.CAUSAL if causal[q][k] else BlockKind.MASKED
                         for k in range(n)) for q in range(n))
     return rows, kinds
 

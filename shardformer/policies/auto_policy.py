@@ -1,6 +1,7 @@
 """Pick the policy of a transformers model: a hand-written one for the families without plans (GPT-2, BERT, T5,
-BART, BLOOM, Falcon, Whisper, BLIP-2 with OPT, SAM), else one derived from the plans transformers declares, else (no plan declared) one inferred
-from the model's structure and proven by one forward when sharding (inferred.py); the path taken is logged on rank 0."""
+BART, BLOOM, Falcon, Whisper, BLIP-2 with OPT, SAM), else one derived from the plans transformers declares, else
+(no plan declared) one inferred from the model's structure and proven by one forward when sharding (inferred.py);
+the path taken is logged on rank 0."""
 from __future__ import annotations
 
 import logging

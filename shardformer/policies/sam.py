@@ -26,6 +26,7 @@ class SamPolicy(Policy):
     tp_attributes = {VISION + "attn": ("num_attention_heads",),
                      **{a: ("num_attention_heads",) for a in DECODER_ATTENTIONS}}
     tp_divisible = ("num_attention_heads", "mlp_dim")
+    local_rng_modules = (VISION + "attn",)   # (eager) dropout of split heads' attention probabilities: per rank
 
     def check_tp(self, config, tp_size: int) -> None:
         super().check_tp(config.vision_config, tp_size)

@@ -1,5 +1,6 @@
 """The style table: what each tensor-parallel style does to the module a plan entry names — replace it by a
-parallel layer, or hook it in place — and the split of raw parameters (SplitParam). A LoRA layer whose base layer
+parallel layer, or hook it in place — and the raw parameters a plan names: split (SplitParam) or summed over tp
+(GradAllReduce: a table every rank's heads use, e.g. SAM's relative positions). A LoRA layer whose base layer
 a style replaces is sharded with its adapters (lora_sharding.py)."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .layer.experts import split_experts
 from .layer.head_embedding import HeadParallelEmbedding
 from .layer.linear import ColumnParallelLinear, RowParallelLinear
 from .layer.loss import parallel_causal_lm_loss, vocab_parallel_cross_entropy
-from .layer.replicated import keep_own_head, sum_grads_over_tp, sum_tail_grad_over_tp
+from .layer.replicated import keep_own_head, sum_grad_over_tp, sum_grads_over_tp, sum_tail_grad_over_tp
 from .layer.spec import TPSpec, padded_size, shard_parameter
 from .layer.vocab_split import shard_embedding_in_place
 from .lora_sharding import shard_lora_layer, shards_adapters
@@ -123,7 +124,7 @@ def _applier(style: ParallelStyle, path: str) -> Applier:
 
 def apply_styles(ctx: TPContext, style_of: Callable[[str], Optional[ParallelStyle]]) -> None:
     """Apply each module's style (`style_of(model-relative path)`) in place of `ctx.model`, then split the raw
-    parameters a plan names (e.g. attention sinks, stacked experts)."""
+    parameters a plan names (e.g. attention sinks, stacked experts; tables shared by split heads)."""
     model = ctx.model
     for path, module in list(model.named_modules()):
         style = style_of(path)
@@ -141,6 +142,8 @@ def apply_styles(ctx: TPContext, style_of: Callable[[str], Optional[ParallelStyl
             parent, attr = get_submodule_parent(model, name)
             spec = TPSpec(style.dim % p.dim(), style.n_fused)
             setattr(parent, attr, shard_parameter(p, spec, dist.get_rank(ctx.group), ctx.tp_size))
+        elif isinstance(style, GradAllReduce):
+            sum_grad_over_tp(p, ctx.group)
 
 
 class ParallelCausalLMLoss:

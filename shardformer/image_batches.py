@@ -1,5 +1,6 @@
 """Synthetic batches with images, laid out as each family's processor lays them out, read from the model's config:
-- `image_batch`: a vision model's images (ViT, ...) and what its head takes (a class per image, masked patches);
+- `image_batch`: a vision model's images (ViT, SAM, ...) and what its head takes (a class per image, masked patches,
+  prompt points);
 - `vlm_batch`: a vision-language model's text with images: a run of the image placeholder token per image, as many
   as the projector makes features (between begin/end-of-image tokens where the config has them), 0 to 2 images per
   sample, labels -100 on image tokens and padding. Pixel layouts: one row per image (LLaVA, Gemma 3, Mistral3: with
@@ -25,16 +26,20 @@ TEXT_TOKENS = 90                      # text token ids are drawn below this (and
 
 def image_batch(model: nn.Module, size: int, g: torch.Generator) -> Dict[str, torch.Tensor]:
     """Random images of the config's size and channels, and what the head takes: a class per image
-    (`labels`, image classification), masked patches (`bool_masked_pos`, masked image modeling)."""
+    (`labels`, image classification), masked patches (`bool_masked_pos`, masked image modeling), prompt points
+    (`input_points`, SAM: one prompt of two points per image, in pixels)."""
     config = model.config
-    side, patch = config.image_size, getattr(config, "patch_size", 1)
+    vision = getattr(config, "vision_config", config)  # (SAM: the images are its vision encoder's)
+    side, patch = vision.image_size, getattr(vision, "patch_size", 1)
     side = side if isinstance(side, int) else side[0]
-    batch = {"pixel_values": torch.randn(size, getattr(config, "num_channels", 3), side, side, generator=g)}
+    batch = {"pixel_values": torch.randn(size, getattr(vision, "num_channels", 3), side, side, generator=g)}
     accepts = inspect.signature(model.forward).parameters
     if "labels" in accepts:
         batch["labels"] = torch.randint(0, max(2, getattr(config, "num_labels", 2) or 2), (size,), generator=g)
     if "bool_masked_pos" in accepts and type(model).__name__.endswith("MaskedImageModeling"):
         batch["bool_masked_pos"] = torch.rand(size, (side // patch) ** 2, generator=g) < 0.5
+    if "input_points" in accepts:
+        batch["input_points"] = torch.rand(size, 1, 2, 2, generator=g) * side
     return batch
 
 

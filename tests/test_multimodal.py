@@ -19,14 +19,14 @@ import torch.distributed as dist
 from transformers import (Blip2Config, Blip2ForConditionalGeneration, CLIPVisionConfig, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
                           Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlavaConfig,
                           LlavaForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration,
-                          MistralConfig, PixtralVisionConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                          MistralConfig, PixtralVisionConfig, SamConfig, SamModel, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                           Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen3VLConfig,
                           Qwen3VLForConditionalGeneration, SiglipVisionConfig, SmolVLMConfig,
                           SmolVLMForConditionalGeneration, SmolVLMVisionConfig, WhisperConfig,
                           WhisperForConditionalGeneration)
 
 from booster_plugin import Booster, HybridParallelPlugin
-from shardformer.image_batches import vlm_batch
+from shardformer.image_batches import image_batch, vlm_batch
 from shardformer.multimodal_batch import image_rows
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
@@ -115,6 +115,33 @@ def blip2(n: int = 4) -> Blip2ForConditionalGeneration:
     return model
 
 
+def sam(n: int = 2) -> SamModel:
+    """8 x 8 patches: windows of 4 x 4 in the first layer, global attention in the second."""
+    vision = dict(hidden_size=16, mlp_dim=32, num_hidden_layers=n, num_attention_heads=2, image_size=32, patch_size=4,
+                  output_channels=16, window_size=4, global_attn_indexes=[1], num_pos_feats=8, initializer_range=0.2)
+    prompt = dict(hidden_size=16, image_size=32, patch_size=4, image_embedding_size=8, mask_input_channels=4)
+    decoder = dict(hidden_size=16, mlp_dim=32, num_attention_heads=2, num_hidden_layers=2, iou_head_hidden_dim=16)
+    # weights of std 0.2 (~ 1 / sqrt(width 16)): the defaults (0.02; the encoder's 1e-10) leave the encoder's and
+    # the decoder's attention gradients at 1e-8 to 1e-14, where a comparison at 1e-5 could not fail
+    model = SamModel(SamConfig(vision_config=vision, prompt_encoder_config=prompt, mask_decoder_config=decoder,
+                               initializer_range=0.2))
+    # relative and absolute positions initialized to zeros: trained ones are not (and the tables must be used)
+    for name, p in model.named_parameters():
+        if name.rpartition(".")[2] in ("rel_pos_h", "rel_pos_w", "pos_embed"):
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+def sam_batch(batch_size: int, seed: int) -> Dict[str, torch.Tensor]:
+    return image_batch(sam(1), batch_size, torch.Generator().manual_seed(seed))
+
+
+def sam_loss(outputs, batch) -> torch.Tensor:
+    """Masks (32 x 32, as the images) of the pixels whose first channel is positive; IoU scores: their share."""
+    target = (batch["pixel_values"][:, None, None, 0] > 0).float()
+    return ((outputs.pred_masks - target) ** 2).mean() + ((outputs.iou_scores - target.mean((-2, -1))) ** 2).mean()
+
+
 def whisper(n: int = 2) -> WhisperForConditionalGeneration:
     return WhisperForConditionalGeneration(WhisperConfig(
         vocab_size=mu.VOCAB, num_mel_bins=8, encoder_layers=n, decoder_layers=n, encoder_attention_heads=4,
@@ -140,6 +167,7 @@ for _kind, _build in (("llava", llava), ("qwen2_5_vl", qwen2_5_vl), ("qwen2_vl",
     if _rows is not None:  # (Idefics3: pixel values per sample)
         mu.RAGGED[_kind] = _rows
 mu.MODELS["whisper"] = whisper
+mu.MODELS["sam"], mu.BATCHES["sam"], mu.CRITERIA["sam"] = sam, sam_batch, sam_loss
 mu.BATCHES["whisper"] = audio_batch
 
 
@@ -221,12 +249,15 @@ def test_splits_the_models_own_forward_cannot_run_are_refused():
             policy.layers_per_stage()
 
 
-def test_blip2_pipeline_is_refused_with_the_reason():
+@pytest.mark.parametrize("build, reason", [(blip2, "runs the vision encoder and Q-Former on every call"),
+                                           (sam, "runs the whole vision encoder from pixel_values")])
+def test_blip2_and_sam_pipelines_are_refused_with_the_reason(build, reason):
     from shardformer.policies import get_autopolicy
-    policy = get_autopolicy(blip2(4))
-    policy.set_model(blip2(4))
+    model = build(4)
+    policy = get_autopolicy(model)
+    policy.set_model(model)
     policy.set_pipeline_stage_manager(_TwoStages())
-    with pytest.raises(NotImplementedError, match="runs the vision encoder and Q-Former on every call"):
+    with pytest.raises(NotImplementedError, match=reason):
         policy.layers_per_stage()
 
 
@@ -244,7 +275,9 @@ def test_vision_language_models_under_sequence_parallelism():
 def _tensor_parallel() -> None:
     # BLIP-2 (OPT): the language model split over tp, the vision encoder, Q-Former and projector replicated
     mu.check_training("blip2", tp_size=2)
+    # SAM: the vision encoder's and the mask decoder's attentions and MLPs split, the rest replicated
+    mu.check_training("sam", layers=2, tp_size=2)
 
 
-def test_blip2_trains_exactly_under_tp():
+def test_blip2_and_sam_train_exactly_under_tp():
     run_distributed(2, _tensor_parallel)

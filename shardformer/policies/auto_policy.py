@@ -1,6 +1,7 @@
 """Pick the policy of a transformers model: a hand-written one for the families without plans (GPT-2, BERT, T5,
-BART, BLOOM, Falcon), else one derived from the plans transformers declares, else (no plan declared) one inferred
-from the model's structure and proven by one forward when sharding (inferred.py); the path taken is logged on rank 0."""
+BART, BLOOM, Falcon, Whisper, BLIP-2 with OPT, SAM), else one derived from the plans transformers declares, else
+(no plan declared) one inferred from the model's structure and proven by one forward when sharding (inferred.py);
+the path taken is logged on rank 0."""
 from __future__ import annotations
 
 import enum
@@ -20,6 +21,7 @@ from .from_transformers import PlanRefused, TransformersPlanPolicy
 from .gpt2 import GPT2Policy
 from .inferred import infer_policy
 from .multimodal import MultimodalPolicy, is_multimodal
+from .sam import SamPolicy
 from .t5 import T5Policy
 from .whisper import WhisperPolicy
 
@@ -34,6 +36,7 @@ _FAMILIES: Dict[Type[Policy], tuple] = {
     FalconPolicy: ("FalconModel",),
     WhisperPolicy: ("WhisperForConditionalGeneration", "WhisperModel"),
     Blip2OPTPolicy: ("Blip2ForConditionalGeneration",),
+    SamPolicy: ("SamModel",),
 }
 SUPPORTED_MODELS: Dict[str, Type[Policy]] = {name: policy for policy, names in _FAMILIES.items() for name in names}
 

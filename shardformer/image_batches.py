@@ -78,8 +78,10 @@ def _images(config, count: int, g: torch.Generator) -> Tuple[List[torch.Tensor],
 
 
 def has_image_layout(config) -> bool:
-    """Whether `vlm_batch` knows how the family lays out its images (model_type)."""
-    return config.model_type in FAMILIES or config.model_type in PER_SAMPLE
+    """Whether `vlm_batch` knows how the family lays out its images (model_type) and the config names the image
+    placeholder token."""
+    known = config.model_type in FAMILIES or config.model_type in PER_SAMPLE
+    return known and _first(config, "image_token_id", "image_token_index") is not None
 
 
 def vlm_batch(model: nn.Module, batch_size: int, seed: int, seq: int = 24) -> Dict[str, torch.Tensor]:
@@ -87,8 +89,9 @@ def vlm_batch(model: nn.Module, batch_size: int, seed: int, seq: int = 24) -> Di
     config = model.config
     kind = config.model_type
     if not has_image_layout(config):
-        raise ValueError(f"No image batch layout for model_type {kind!r}: known are "
-                         f"{sorted((*FAMILIES, *PER_SAMPLE))} (shardformer/image_batches.py).")
+        raise ValueError(f"No image batch layout for model_type {kind!r} (known: "
+                         f"{sorted((*FAMILIES, *PER_SAMPLE))}, shardformer/image_batches.py), or its config names no "
+                         f"image token (image_token_id / image_token_index).")
     image = _first(config, "image_token_id", "image_token_index")
     begin = _first(config, "boi_token_index", "vision_start_token_id")
     end = _first(config, "eoi_token_index", "vision_end_token_id")

@@ -507,9 +507,10 @@ FINDINGS = [
     "diagonal blocks computed whole then masked: 1.28x sp=1 (CPU seconds 1.33x) on a quiet machine (2026-11-25) "
     "against all_to_all's 1.84x. They stay as the fallback (devices without a fused kernel in `ring_blocks.FUSED`, "
     "i.e. CUDA today; eager's rows without any key; key and value head dims that differ) and run as the variant "
-    "`ring_attn sp=2 hand-written blocks` with `--ring-fallback`. In the run above the machine was shared (load "
-    "7-11 on 2 cores): wall-time medians are mostly the other work, the CPU seconds and the fused-vs-hand-written "
-    "pairing (same run, interleaved rounds) are the figures to read.",
+    "`ring_attn sp=2 hand-written blocks` with `--ring-fallback`: in the run above (a quiet machine, load 1.7) the "
+    "fused blocks take 0.62x the hand-written ones' time (paired median, faster in 7 of 7 rounds), ring_attn reaches "
+    "1.66x sp=1 at L=8192 (hand-written blocks: 0.99x on this machine, whose one process is ~1.2x slower than the "
+    "2026-11-25 one's) against all_to_all's 1.78x.",
     "- torch's own `context_parallel` does not run on CPU (errors above): its SDPA dispatch handles the CUDA "
     "flash / efficient / cudnn ops only; `aten._scaled_dot_product_flash_attention_for_cpu` has no DTensor sharding "
     "strategy, and the math backend mixes DTensor and plain tensors.",

@@ -26,6 +26,7 @@ TINY: Dict[str, Any] = {
     "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
     "sliding_window": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "use_cache": False,
+    "rotary_dim": 4,  # partial rotary (GPT-J, CodeGen): at most head_dim
 }
 # counts of layers of a special kind, scaled with the layer count (rounded, at least 1 when the default has some)
 LAYER_COUNTS = ("num_kv_shared_layers",)

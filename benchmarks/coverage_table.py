@@ -218,8 +218,9 @@ def _ep_intro(rows: List[Row], ep_results: Dict[tuple, Dict], keys: List[str], n
         "whose experts are not stacked 3-D weights, or whose expert count ep does not divide); untested as in the "
         "(tp, pp) column.",
         "",
-        "- A family refused for a style of its tp plan is refused under ep as well, also with tp = 1 (and with dp "
-        "alone): the plugin derives its policy from the plan whatever the tp size.",
+        "- A plan style we cannot apply (packed row-wise, an all-reduce after shared experts, identity experts) is "
+        "refused under tensor parallelism only: with tp = 1 such a family trains under ep, pp and dp (Aria, Inkling), "
+        "unless its experts cannot be split over ep (LongCat-Flash's experts stack no `num_experts`).",
         "- A fail naming only a parameter after AdamW where its gradient is near zero is the fp32 rounding described "
         "above: under ep the experts' outputs are summed per rank before they are sent back, so the gradients "
         "reaching the layers below (attention too) differ from one process's in the last bits (e.g. beam's v_proj "

@@ -18,12 +18,12 @@ from .layer.experts import split_experts
 from .layer.head_embedding import HeadParallelEmbedding
 from .layer.linear import ColumnParallelLinear, RowParallelLinear
 from .layer.loss import parallel_causal_lm_loss, vocab_parallel_cross_entropy
-from .layer.replicated import keep_own_head, sum_grad_over_tp, sum_grads_over_tp, sum_tail_grad_over_tp
+from .layer.replicated import keep_own_heads, sum_grad_over_tp, sum_grads_over_tp, sum_tail_grad_over_tp
 from .layer.spec import TPSpec, padded_size, shard_parameter
 from .layer.vocab_split import shard_embedding_in_place
 from .lora_sharding import shard_lora_layer, shards_adapters
 from .stage import Released, get_submodule_parent, replace_submodule
-from .styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, ParallelStyle, Rowwise, SharedTailGrad,
+from .styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, OwnHeads, ParallelStyle, Rowwise, SharedTailGrad,
                      SplitParam, VocabEmbedding, VocabHead)
 
 __all__ = ["TPContext", "STYLE_TABLE", "apply_styles", "computes_causal_lm_loss", "ParallelCausalLMLoss"]
@@ -58,8 +58,8 @@ def _grad_all_reduce(module: nn.Module, style: GradAllReduce, ctx: TPContext) ->
     sum_grads_over_tp(module, ctx.group)
 
 
-def _kv_heads(module: nn.Module, style: KVHeads, ctx: TPContext) -> None:
-    keep_own_head(module, style.num_heads, ctx.group)
+def _own_heads(module: nn.Module, style: OwnHeads, ctx: TPContext) -> None:
+    keep_own_heads(module, style.num_heads, ctx.group, style.tail)
 
 
 def _shared_tail(module: nn.Module, style: SharedTailGrad, ctx: TPContext) -> None:
@@ -106,7 +106,7 @@ STYLE_TABLE: Dict[Type[ParallelStyle], Applier] = {
     Colwise: _column,
     Rowwise: _row,
     GradAllReduce: _grad_all_reduce,
-    KVHeads: _kv_heads,
+    OwnHeads: _own_heads,
     SharedTailGrad: _shared_tail,
     Experts: _experts,
     VocabEmbedding: _vocab_embedding,

@@ -26,7 +26,7 @@ from .layer.linear import ColumnParallelLinear, RowParallelLinear
 from .layer.region import enter_region
 from .layer.replicated import sum_grads_over_tp
 from .layer.spec import TPSpec, shard_parameter
-from .styles import Colwise, GradAllReduce, KVHeads, Rowwise
+from .styles import Colwise, GradAllReduce, OwnHeads, Rowwise
 
 __all__ = ["LoRAShardingError", "is_lora_layer", "is_modules_to_save", "native_module", "shards_adapters",
            "check_lora_layers", "shard_lora_layer"]
@@ -63,9 +63,9 @@ def native_module(module: nn.Module) -> nn.Module:
 
 
 def _replaces(style) -> bool:
-    """Does `style` replace the module (styles that keep it whole, replicated with summed gradients or KVHeads, act on
+    """Does `style` replace the module (styles that keep it whole, replicated with summed gradients or OwnHeads, act on
     a wrapper as on any module)?"""
-    return style is not None and not isinstance(style, (GradAllReduce, KVHeads))
+    return style is not None and not isinstance(style, (GradAllReduce, OwnHeads))
 
 
 def shards_adapters(module: nn.Module, style) -> bool:

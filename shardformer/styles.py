@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Colwise", "Rowwise", "GradAllReduce", "VocabEmbedding", "VocabHead", "HeadEmbedding", "KVHeads",
-           "SharedTailGrad", "SplitParam", "Experts", "ParallelStyle"]
+__all__ = ["Colwise", "Rowwise", "GradAllReduce", "VocabEmbedding", "VocabHead", "HeadEmbedding", "OwnHeads",
+           "KVHeads", "SharedTailGrad", "SplitParam", "Experts", "ParallelStyle"]
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,19 @@ class HeadEmbedding:
 
 
 @dataclass(frozen=True)
-class KVHeads:
+class OwnHeads:
+    """A projection kept whole on every rank whose output holds `num_heads` equal heads, then `tail` features every
+    rank's heads use whole (the one key and value of multi-query attention): each rank keeps its share of the heads
+    (with fewer heads than ranks, the one its query heads attend to) and the tail; gradients of the replicas are
+    summed, its input's gradient too."""
+    num_heads: int
+    tail: int = 0
+
+
+@dataclass(frozen=True)
+class KVHeads(OwnHeads):
     """A key/value projection with fewer heads than tp ranks: kept whole on every rank, each rank uses the head of
     its query heads; gradients of the replicas are summed."""
-    num_heads: int
 
 
 @dataclass(frozen=True)
@@ -72,5 +81,5 @@ class Experts:
     every expert): their output is summed over tp, the gradients of their input and routing weights too."""
 
 
-ParallelStyle = (Colwise | Rowwise | GradAllReduce | KVHeads | SharedTailGrad | SplitParam | Experts | VocabEmbedding
+ParallelStyle = (Colwise | Rowwise | GradAllReduce | OwnHeads | SharedTailGrad | SplitParam | Experts | VocabEmbedding
                  | VocabHead | HeadEmbedding)

@@ -1,7 +1,8 @@
 """Families transformers gives no plan (OPT; ViT: ViTModel, image classification, masked image modeling: inferred
-from their structure; BLOOM, Falcon: hand-written, their fused query_key_value interleaving heads) train exactly under tp=2 x pp=2, every such policy proven by one forward of a
-small twin at boost; GPT-J (which declares plans in transformers 5) trains exactly with the plan inferred from its
-structure instead, which equals its declared one; a wrong plan is refused by the proof, naming the module."""
+from their structure; BLOOM, Falcon in its three attention layouts: hand-written, their fused query_key_value
+interleaving heads) train exactly under tp=2 x pp=2, every such policy proven by one forward of a small twin at boost;
+GPT-J (which declares plans in transformers 5) trains exactly with the plan inferred from its structure instead,
+which equals its declared one; a wrong plan is refused by the proof, naming the module."""
 import pytest
 import torch
 from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, GPTJConfig, GPTJForCausalLM,
@@ -9,7 +10,6 @@ from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconFor
                           OPTForSequenceClassification, ViTConfig, ViTForImageClassification,
                           ViTForMaskedImageModeling, ViTModel)
 
-from booster_plugin import Booster, HybridParallelPlugin
 from hp_check.tiny import tiny_config
 from shardformer.policies import PlanRefused, PlanSource, TransformersPlanPolicy, choose_policy, get_autopolicy
 from shardformer.policies.bloom import BloomPolicy
@@ -28,10 +28,13 @@ def _bloom(n):
     return BloomForCausalLM(BloomConfig(vocab_size=V, hidden_size=32, n_layer=n, n_head=4, pad_token_id=0))
 
 
-def _falcon(n, new):
+def _falcon(n, new=False, multi_query=False):
+    """Falcon-40B's layout (new: grouped key/value, rotary), the old one with ALiBi, or Falcon-7B's (transformers'
+    default: multi-query, rotary)."""
     return FalconForCausalLM(FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=n, num_attention_heads=4,
                                           num_kv_heads=2 if new else 4, new_decoder_architecture=new,
-                                          multi_query=False, ffn_hidden_size=64, pad_token_id=0, alibi=not new))
+                                          multi_query=multi_query, ffn_hidden_size=64, pad_token_id=0,
+                                          alibi=not (new or multi_query)))
 
 
 def _gptj(n):
@@ -53,6 +56,7 @@ BUILDERS = {
     "bloom_lm": lambda n=4: _bloom(n),
     "falcon_lm": lambda n=4: _falcon(n, new=False),
     "falcon_new_lm": lambda n=4: _falcon(n, new=True),
+    "falcon_mq_lm": lambda n=4: _falcon(n, multi_query=True),
     **{kind: lambda n=4, c=cls: _vit(c, n) for kind, cls in VIT.items()},
 }
 mu.MODELS.update(BUILDERS)
@@ -111,11 +115,6 @@ def _refused():
                       tp_plan={**policy.tp_plan, "decoder.layers.*.self_attn.v_proj": Colwise(n_fused=2)})
     with pytest.raises(PlanRefused, match=r"output of 'model\.decoder\.layers\.0\.self_attn\.out_proj'.* differs"):
         mu.check_training("opt_inferred_lm", steps=1, tp_size=2, pp_size=2, num_microbatches=2, custom_policy=wrong)
-    # Falcon's old multi-query attention ([all q, one k, one v]) does not split like its other layouts: refused
-    multi_query = FalconForCausalLM(FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
-                                                 num_attention_heads=4, multi_query=True, ffn_hidden_size=64))
-    with pytest.raises(PlanRefused, match=r"FalconPolicy is refused.* fails in 'transformer\.h\.0\.self_attention'"):
-        Booster(plugin=HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=2)).boost(multi_query)
 
 
 def test_wrong_plans_refused_naming_the_module():

@@ -1,6 +1,9 @@
-"""Replicated parameters whose gradients are summed over the tp group, and key/value projections when tp is larger than the number of key/value heads (GQA): the projection stays whole
-on every rank (it is small) and each rank keeps the head its query heads attend to; the gradients of the replicas
-are summed over the tp group (each rank's gradient is non-zero only in the rows of its head), which is exact."""
+"""Replicated parameters whose gradients are summed over the tp group, and projections kept whole whose output each
+rank narrows to its own heads: key/value projections when tp is larger than the number of key/value heads (GQA; each
+rank keeps the head its query heads attend to), and multi-query attention's fused projection ([all query heads, one
+key, one value]: each rank keeps its query heads and the key and value). The projection stays whole on every rank;
+the gradients of the replicas are summed over the tp group (each rank's is non-zero only in the rows of its heads,
+and partial, from its own heads, in the rows of a key/value every rank uses), which is exact."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +15,7 @@ from torch.distributed import ProcessGroup
 
 from .comm import copy_to_tp, get_tp_rank, get_tp_world_size, start_sum
 
-__all__ = ["sum_grads_over_tp", "sum_grad_over_tp", "keep_own_head", "sum_tail_grad_over_tp"]
+__all__ = ["sum_grads_over_tp", "sum_grad_over_tp", "keep_own_heads", "sum_tail_grad_over_tp"]
 
 
 def sum_grad_over_tp(param: Tensor, group: ProcessGroup | None) -> None:
@@ -41,20 +44,24 @@ def _summed(grad: Optional[Tensor], group: ProcessGroup) -> Optional[Tensor]:
     return None if grad is None else start_sum(grad, group).wait()
 
 
-def _narrow(start: int, size: int, module: nn.Module, args, out: Tensor) -> Tensor:
-    return out.narrow(-1, start, size)
+def _narrow(start: int, size: int, tail: int, module: nn.Module, args, out: Tensor) -> Tensor:
+    own = out.narrow(-1, start, size)
+    return torch.cat([own, out.narrow(-1, out.shape[-1] - tail, tail)], dim=-1) if tail else own
 
 
-def keep_own_head(module: nn.Module, num_heads: int, group: ProcessGroup | None) -> None:
-    """`module`'s output holds `num_heads` equal heads; rank r of the group keeps head r // (tp / num_heads)."""
+def keep_own_heads(module: nn.Module, num_heads: int, group: ProcessGroup | None, tail: int = 0) -> None:
+    """`module`'s output holds `num_heads` equal heads, then `tail` features every rank uses whole: rank r of the
+    group keeps its num_heads / tp heads (with fewer heads than ranks, head r // (tp / num_heads)) and the tail."""
     world, rank = get_tp_world_size(group), get_tp_rank(group)
-    if world % num_heads:
-        raise ValueError(f"tp_size={world} is not a multiple of the {num_heads} key/value heads of {module}.")
-    out_features = module.weight.shape[0]
-    head_dim = out_features // num_heads
-    module.region_input = None  # like a column layer: its input gradient covers this rank's head only
+    if world % num_heads and num_heads % world:
+        raise ValueError(f"tp_size={world} neither divides nor is a multiple of the {num_heads} heads of {module}: "
+                         f"use a tp size that does.")
+    head_dim = (module.weight.shape[0] - tail) // num_heads
+    module.region_input = None  # like a column layer: its input gradient covers this rank's heads only
     module.register_forward_pre_hook(functools.partial(_copied_input, group))
-    module.register_forward_hook(functools.partial(_narrow, rank // (world // num_heads) * head_dim, head_dim))
+    kept = max(1, num_heads // world)
+    module.register_forward_hook(functools.partial(_narrow, rank * num_heads // world * head_dim, kept * head_dim,
+                                                   tail))
     sum_grads_over_tp(module, group)
 
 

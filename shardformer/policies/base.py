@@ -18,12 +18,12 @@ from ..layer_bounds import stage_of_layer
 from ..paths import base_prefix, find_submodule, match
 from ..shard_config import ShardConfig
 from ..stage import IDENTITY, INPUT, SHAPED, ZEROS
-from ..styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, ParallelStyle, Rowwise, SharedTailGrad,
-                      SplitParam, VocabEmbedding, VocabHead)
+from ..styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, OwnHeads, ParallelStyle, Rowwise,
+                      SharedTailGrad, SplitParam, VocabEmbedding, VocabHead)
 
 # what a policy is written with: the Policy, the entry modules' stand-in kinds and the parallel styles
 __all__ = ["Policy", "IDENTITY", "INPUT", "SHAPED", "ZEROS", "Colwise", "Rowwise", "GradAllReduce", "VocabEmbedding", "VocabHead",
-           "HeadEmbedding", "KVHeads", "SharedTailGrad", "SplitParam", "Experts", "ParallelStyle"]
+           "HeadEmbedding", "KVHeads", "OwnHeads", "SharedTailGrad", "SplitParam", "Experts", "ParallelStyle"]
 
 EMBEDDING_COST = 0.25  # an embedding lookup (and its gradient) per parameter, relative to a matmul's
 

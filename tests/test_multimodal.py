@@ -23,7 +23,7 @@ from transformers import (Blip2Config, Blip2ForConditionalGeneration, CLIPVision
                           Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen3VLConfig,
                           Qwen3VLForConditionalGeneration, SiglipVisionConfig, SmolVLMConfig,
                           SmolVLMForConditionalGeneration, SmolVLMVisionConfig, WhisperConfig,
-                          WhisperForConditionalGeneration)
+                          WhisperForAudioClassification, WhisperForConditionalGeneration)
 
 from booster_plugin import Booster, HybridParallelPlugin
 from shardformer.image_batches import image_batch, vlm_batch
@@ -149,6 +149,19 @@ def whisper(n: int = 2) -> WhisperForConditionalGeneration:
         max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1))
 
 
+def whisper_classifier(n: int = 2, weighted: bool = False) -> WhisperForAudioClassification:
+    return WhisperForAudioClassification(WhisperConfig(
+        num_mel_bins=8, encoder_layers=n, encoder_attention_heads=4, d_model=32, encoder_ffn_dim=64,
+        max_source_positions=8, classifier_proj_size=16, num_labels=3, use_weighted_layer_sum=weighted))
+
+
+def audio_class_batch(batch_size: int, seed: int) -> Dict[str, torch.Tensor]:
+    """Log-mel features (batch, mel bins, 2 * max_source_positions) and one class per sample."""
+    g = torch.Generator().manual_seed(seed)
+    return {"input_features": torch.randn(batch_size, 8, 16, generator=g),
+            "labels": torch.randint(0, 3, (batch_size,), generator=g)}
+
+
 def audio_batch(batch_size: int, seed: int) -> Dict[str, torch.Tensor]:
     """Log-mel features (batch, mel bins, 2 * max_source_positions) and transcripts padded with -100."""
     g = torch.Generator().manual_seed(seed)
@@ -169,6 +182,9 @@ for _kind, _build in (("llava", llava), ("qwen2_5_vl", qwen2_5_vl), ("qwen2_vl",
 mu.MODELS["whisper"] = whisper
 mu.MODELS["sam"], mu.BATCHES["sam"], mu.CRITERIA["sam"] = sam, sam_batch, sam_loss
 mu.BATCHES["whisper"] = audio_batch
+mu.MODELS["whisper_classifier"], mu.BATCHES["whisper_classifier"] = whisper_classifier, audio_class_batch
+mu.MODELS["whisper_classifier_weighted"] = lambda n: whisper_classifier(n, weighted=True)
+mu.BATCHES["whisper_classifier_weighted"] = audio_class_batch
 
 
 def _four_ranks(path: str) -> None:
@@ -181,6 +197,10 @@ def _four_ranks(path: str) -> None:
     mu.check_training("gemma3", pp_size=2, pp_style="zbv", num_model_chunks=2, num_microbatches=4)
     # Whisper: a stage holding the encoder and the first decoder layer (the next starts inside the decoder)
     mu.check_training("whisper", layers=2, pp_size=2, num_microbatches=2, num_layers_per_stage=[3, 1])
+    # Whisper's audio classifier: the encoder's entry on the first stage, projector and classifier on the last
+    mu.check_training("whisper_classifier", tp_size=2, pp_size=2, num_microbatches=2)
+    # (its weighted sum over every layer's hidden states: tp only, pp refused)
+    mu.check_training("whisper_classifier_weighted", tp_size=2)
     mu.check_evaluation("qwen2_5_vl", tp_size=2, pp_size=2, num_microbatches=4)  # full logits on the last stage
     _checkpoint("qwen2_5_vl", path)
 
@@ -239,9 +259,11 @@ class _TwoStages:
 
 def test_splits_the_models_own_forward_cannot_run_are_refused():
     """Whisper: a stage starting inside the audio encoder (3 + 3 layers split 2 + 4); Qwen3-VL: a first stage that
-    does not hold the decoder layers the vision features are added to, and one more."""
+    does not hold the decoder layers the vision features are added to, and one more; Whisper's audio classifier
+    with a weighted sum over every layer's hidden states."""
     from shardformer.policies import get_autopolicy
-    for model, error in ((whisper(3), "all 3 encoder layers"), (qwen3_vl(4), "first entry is at least 3")):
+    for model, error in ((whisper(3), "all 3 encoder layers"), (qwen3_vl(4), "first entry is at least 3"),
+                         (whisper_classifier(4, weighted=True), "use_weighted_layer_sum=True classifies")):
         policy = get_autopolicy(model)
         policy.set_model(model)
         policy.set_pipeline_stage_manager(_TwoStages())

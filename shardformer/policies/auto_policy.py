@@ -24,6 +24,7 @@ from .multimodal import MultimodalPolicy, is_multimodal
 from .sam import SamPolicy
 from .t5 import T5Policy
 from .whisper import WhisperPolicy
+from .whisper_audio_classification import WhisperForAudioClassificationPolicy
 
 logger = logging.getLogger("shardformer")
 
@@ -35,6 +36,7 @@ _FAMILIES: Dict[Type[Policy], tuple] = {
     BloomPolicy: ("BloomModel",),    # (and every head of the family: found by the base model's class)
     FalconPolicy: ("FalconModel",),
     WhisperPolicy: ("WhisperForConditionalGeneration", "WhisperModel"),
+    WhisperForAudioClassificationPolicy: ("WhisperForAudioClassification",),
     Blip2OPTPolicy: ("Blip2ForConditionalGeneration",),
     SamPolicy: ("SamModel",),
 }

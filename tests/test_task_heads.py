@@ -1,8 +1,9 @@
 """Every task head of the families we cover trains exactly under tp=2 x pp=2: BERT's nine heads; sequence
 classification, token classification and question answering of Llama, Mistral and Qwen3; GPT-2's QA and double
-heads; BART's and T5's sequence classification and BART's QA (encoder-decoder). The head runs on the last stage, its
-loss is the model's own (from labels / start_positions / end_positions / next_sentence_label / mc_labels), and
-evaluation returns its outputs merged over microbatches as one process does."""
+heads; BART's and T5's sequence classification and BART's QA (encoder-decoder); T5's encoder alone (T5EncoderModel)
+and its token classification. The head runs on the last stage, its loss is the model's own (from labels /
+start_positions / end_positions / next_sentence_label / mc_labels), and evaluation returns its outputs merged over
+microbatches as one process does."""
 import copy
 
 import torch
@@ -76,6 +77,9 @@ HEADS = {
     "bart_sequence": (_with(_bart, transformers.BartForSequenceClassification), "sequence eos"),
     "bart_qa": (_with(_bart, transformers.BartForQuestionAnswering), "qa eos"),
     "t5_sequence": (_with(_t5, transformers.T5ForSequenceClassification), "sequence eos"),
+    # encoder-only T5 (2 blocks: the second stage's block gets the position bias block 0 computed)
+    "t5_encoder": (_with(_t5, transformers.T5EncoderModel), ""),
+    "t5_token": (_with(_t5, transformers.T5ForTokenClassification, num_labels=LABELS), "token"),
     # (its choice summary's dropout defaults to 0.1: under tp its masks are the plugin's, not one process's)
     "gpt2_double": (_gpt2(transformers.GPT2DoubleHeadsModel, summary_first_dropout=0.0), "double"),
 }

@@ -22,7 +22,7 @@ from .gpt2 import GPT2Policy
 from .inferred import infer_policy
 from .multimodal import MultimodalPolicy, is_multimodal
 from .sam import SamPolicy
-from .t5 import T5Policy
+from .t5 import T5EncoderPolicy, T5Policy
 from .whisper import WhisperPolicy
 from .whisper_audio_classification import WhisperForAudioClassificationPolicy
 
@@ -31,6 +31,7 @@ logger = logging.getLogger("shardformer")
 _FAMILIES: Dict[Type[Policy], tuple] = {
     GPT2Policy: ("GPT2Model", "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPT2ForTokenClassification"),
     T5Policy: ("T5ForConditionalGeneration", "T5Model"),
+    T5EncoderPolicy: ("T5EncoderModel",),  # (T5ForTokenClassification: found by its base model's class)
     BartPolicy: ("BartForConditionalGeneration", "BartModel"),
     BertPolicy: ("BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification"),
     BloomPolicy: ("BloomModel",),    # (and every head of the family: found by the base model's class)

@@ -1,9 +1,10 @@
 """A Policy for encoder-decoder models (T5, BART): the pipeline splits the encoder's layers followed by the decoder's
 over the stages; the policy declares its own stage pruning (`release_unheld_layers`), whose stage runs the model's
-own forward (see encoder_decoder_stage.py)."""
+own forward (see encoder_decoder_stage.py). An encoder-only model of such a family (T5EncoderModel) declares no
+decoder stack: the pipeline splits the encoder's layers alone."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -16,11 +17,20 @@ from .base import Policy
 __all__ = ["SKIP_FIRST", "EncoderDecoderPolicy"]
 
 
+class _Stack(NamedTuple):
+    """One stack of layers (the encoder's or the decoder's) in the pipeline's layer sequence."""
+    layers: str                # base-relative path of its layer list
+    entry: Dict[str, str]      # its entry modules -> stand-in kind
+    exit: Sequence[str]        # its exit modules
+    offset: int                # index of its first layer in the sequence
+    size: int                  # its layers in the unsharded model
+
+
 class EncoderDecoderPolicy(Policy):
     """A Policy for encoder-decoder models; subclasses fill in the class attributes (base-relative paths)."""
 
     encoder_layers: str = ""                           # e.g. "encoder.block"
-    decoder_layers: str = ""
+    decoder_layers: str = ""                           # "": an encoder-only model of the family (T5EncoderModel)
     encoder_entry: Dict[str, str] = {}                 # module -> stand-in kind where the encoder starts later
     decoder_entry: Dict[str, str] = {}
     encoder_exit: Sequence[str] = ()                   # run once, after the last encoder layer
@@ -32,8 +42,17 @@ class EncoderDecoderPolicy(Policy):
     def _stack_sizes(self) -> Tuple[int, int]:
         if self._sizes is None:
             base = self.model.base_model
-            self._sizes = (len(base.get_submodule(self.encoder_layers)), len(base.get_submodule(self.decoder_layers)))
+            self._sizes = (len(base.get_submodule(self.encoder_layers)),
+                           len(base.get_submodule(self.decoder_layers)) if self.decoder_layers else 0)
         return self._sizes
+
+    def _stacks(self) -> List[_Stack]:
+        """The stacks the model has, encoder first."""
+        n_enc, n_dec = self._stack_sizes()
+        stacks = [_Stack(self.encoder_layers, self.encoder_entry, self.encoder_exit, 0, n_enc)]
+        if self.decoder_layers:
+            stacks.append(_Stack(self.decoder_layers, self.decoder_entry, self.decoder_exit, n_enc, n_dec))
+        return stacks
 
     def set_model(self, model: nn.Module) -> None:
         super().set_model(model)
@@ -45,7 +64,7 @@ class EncoderDecoderPolicy(Policy):
     def layer_list(self) -> nn.ModuleList:
         """The (held) encoder layers followed by the (held) decoder layers."""
         base = self.model.base_model
-        return nn.ModuleList([*base.get_submodule(self.encoder_layers), *base.get_submodule(self.decoder_layers)])
+        return nn.ModuleList([layer for stack in self._stacks() for layer in base.get_submodule(stack.layers)])
 
     def _stage_of_layer(self, index: int) -> int:
         return stage_of_layer(self.layers_per_stage(), index)
@@ -53,9 +72,10 @@ class EncoderDecoderPolicy(Policy):
     def stage_of_param(self, name: str) -> Optional[Tuple[int, ...]]:
         n, prefix = self.stage_manager.num_stages, self.base_prefix
         n_enc = self._stack_sizes()[0]
-        for layers, offset in ((self.encoder_layers, 0), (self.decoder_layers, n_enc)):
-            if name.startswith(prefix + layers + "."):
-                return (self._stage_of_layer(offset + int(name[len(prefix + layers) + 1:].split(".")[0])),)
+        for stack in self._stacks():
+            path = prefix + stack.layers
+            if name.startswith(path + "."):
+                return (self._stage_of_layer(stack.offset + int(name[len(path) + 1:].split(".")[0])),)
 
         def under(paths) -> bool:
             return any(name.startswith(prefix + p + ".") for p in paths)
@@ -79,13 +99,11 @@ class EncoderDecoderPolicy(Policy):
     def release_unheld_layers(self) -> Optional[EncoderDecoderStage]:
         """Prune the model to this stage (see the module docstring); the callable that runs the stage."""
         sm, base, prefix = self.stage_manager, self.model.base_model, self.base_prefix
-        n_enc, n_dec = self._stack_sizes()
+        n_enc = self._stack_sizes()[0]
         start, end = sm.get_stage_index(self.layers_per_stage())
-        stacks = ((self.encoder_layers, self.encoder_entry, self.encoder_exit, 0, n_enc),
-                  (self.decoder_layers, self.decoder_entry, self.decoder_exit, n_enc, n_dec))
         stage_input, carry_into, exit_module, capture, exit_is_encoder = None, None, None, None, False
         skip_first: List[SkipFirstCall] = []
-        for layers, entry, exit, offset, size in stacks:
+        for layers, entry, exit, offset, size in self._stacks():
             lo, hi = max(start - offset, 0), min(end - offset, size)
             held = lo < hi
             full = base.get_submodule(layers)

@@ -1,4 +1,4 @@
-"""T5 (T5ForConditionalGeneration, T5Model): encoder and decoder stacks of blocks whose attention has q/k/v/o and
+"""T5 (T5ForConditionalGeneration, T5Model; T5EncoderModel and its heads: the encoder alone): encoder and decoder stacks of blocks whose attention has q/k/v/o and
 whose feed-forward has wi (or gated wi_0, wi_1) and wo; one `shared` embedding tied to both stacks' `embed_tokens`
 and the LM head. The relative position bias is computed by the first block of each stack from a (buckets, heads)
 table: under tp it is split by heads (each rank computes its own heads' bias) and `n_heads` (which sizes the zero
@@ -35,3 +35,10 @@ class T5Policy(EncoderDecoderPolicy):
     tp_attributes = {a: ("n_heads",) for a in _ATTENTION}
     tp_divisible = ("num_heads", "d_ff")
     local_rng_modules = _ATTENTION  # attention-probability dropout acts on split heads
+
+
+class T5EncoderPolicy(T5Policy):
+    """T5EncoderModel (and T5ForTokenClassification around it): T5Policy's encoder, no decoder stack."""
+    decoder_layers, decoder_entry, decoder_exit = "", {}, ()
+    tp_plan = {path: style for path, style in T5Policy.tp_plan.items()
+               if path not in ("decoder.embed_tokens", "lm_head")}

@@ -16,7 +16,7 @@ from typing import Dict
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import (Blip2Config, Blip2ForConditionalGeneration, CLIPVisionConfig, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
+from transformers import (Blip2Config, Blip2ForConditionalGeneration, Blip2Model, CLIPVisionConfig, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
                           Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig, LlavaConfig,
                           LlavaForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration,
                           MistralConfig, PixtralVisionConfig, SamConfig, SamModel, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
@@ -115,6 +115,14 @@ def blip2(n: int = 4) -> Blip2ForConditionalGeneration:
     return model
 
 
+def blip2_model(n: int = 4) -> Blip2Model:
+    """Blip2Model: the same modules as Blip2ForConditionalGeneration (its language model an OPT causal LM)."""
+    full = blip2(n)
+    model = Blip2Model(full.config)
+    model.load_state_dict(full.state_dict())
+    return model
+
+
 def sam(n: int = 2) -> SamModel:
     """8 x 8 patches: windows of 4 x 4 in the first layer, global attention in the second."""
     vision = dict(hidden_size=16, mlp_dim=32, num_hidden_layers=n, num_attention_heads=2, image_size=32, patch_size=4,
@@ -172,7 +180,7 @@ def audio_batch(batch_size: int, seed: int) -> Dict[str, torch.Tensor]:
 
 for _kind, _build in (("llava", llava), ("qwen2_5_vl", qwen2_5_vl), ("qwen2_vl", qwen2_vl), ("qwen3_vl", qwen3_vl),
                       ("gemma3", gemma3), ("idefics3", idefics3), ("smolvlm", smolvlm), ("mistral3", mistral3),
-                      ("blip2", blip2)):
+                      ("blip2", blip2), ("blip2_model", blip2_model)):
     mu.MODELS[_kind] = _build
     _model = _build(2)
     mu.BATCHES[_kind] = lambda b, s, m=_model: vlm_batch(m, b, s)
@@ -297,6 +305,7 @@ def test_vision_language_models_under_sequence_parallelism():
 def _tensor_parallel() -> None:
     # BLIP-2 (OPT): the language model split over tp, the vision encoder, Q-Former and projector replicated
     mu.check_training("blip2", tp_size=2)
+    mu.check_training("blip2_model", tp_size=2)
     # SAM: the vision encoder's and the mask decoder's attentions and MLPs split, the rest replicated
     mu.check_training("sam", layers=2, tp_size=2)
 

@@ -38,7 +38,7 @@ _FAMILIES: Dict[Type[Policy], tuple] = {
     FalconPolicy: ("FalconModel",),
     WhisperPolicy: ("WhisperForConditionalGeneration", "WhisperModel"),
     WhisperForAudioClassificationPolicy: ("WhisperForAudioClassification",),
-    Blip2OPTPolicy: ("Blip2ForConditionalGeneration",),
+    Blip2OPTPolicy: ("Blip2ForConditionalGeneration", "Blip2Model"),
     SamPolicy: ("SamModel",),
 }
 SUPPORTED_MODELS: Dict[str, Type[Policy]] = {name: policy for policy, names in _FAMILIES.items() for name in names}

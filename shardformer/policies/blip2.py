@@ -1,4 +1,4 @@
-"""BLIP-2 with an OPT language model (Blip2ForConditionalGeneration), tensor parallel: the language model split as
+"""BLIP-2 with an OPT language model (Blip2ForConditionalGeneration, Blip2Model: the same modules), tensor parallel: the language model split as
 OPT's inferred plan splits it (q/k/v and fc1 by columns, out_proj and fc2 by rows, vocab-parallel embedding); the
 vision encoder, Q-Former and projector replicated (their gradients are equal on the tp ranks: the merged
 embeddings' gradient is the tp regions' summed one). The LM head's logits are gathered: BLIP-2 computes the loss

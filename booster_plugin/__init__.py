@@ -1,5 +1,8 @@
 """Booster and its plugins (HybridParallelPlugin, MoeHybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin): compose pipeline and
-shardformer for training."""
+shardformer for training. `world_group()`: every rank in a group that carries CPU tensors too, whatever backend the
+script's world group has (`init_process_group("nccl")` has none for the CPU)."""
+from pipeline.groups import world_group
+
 from .activation_checkpoint import GradientCheckpointConfig
 from .booster import Booster
 from .fsdp import GeminiPlugin, TorchFSDPPlugin
@@ -14,4 +17,5 @@ from .torch_ddp import TorchDDPPlugin
 
 __all__ = ["Booster", "Plugin", "DPPluginBase", "HybridParallelPlugin", "MoeHybridParallelPlugin", "LowLevelZeroPlugin",
            "TorchDDPPlugin", "GeminiPlugin", "TorchFSDPPlugin",
-           "HybridParallelModule", "HybridParallelOptimizer", "GradientCheckpointConfig", "StatefulDistributedSampler"]
+           "HybridParallelModule", "HybridParallelOptimizer", "GradientCheckpointConfig", "StatefulDistributedSampler",
+           "world_group"]

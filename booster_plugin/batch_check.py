@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 import torch.distributed as dist
 
+from pipeline.groups import world_group
+
 from .failure import FailureGuard
 
 __all__ = ["BatchLimits", "DirectCallCheck", "agree_on_batch", "batch_agreed", "vocab_of", "label_vocab_of"]
@@ -159,6 +161,7 @@ def agree_on_batch(batch: Any, limits: BatchLimits, split: Callable[[Any], int],
     row = [dp_rank, d.code, *_padded(d.details, _DETAIL_SLOTS), d.microbatches, *_padded(d.shapes, _SHAPE_SLOTS),
            len(d.shapes), *d.digests]
     mine = torch.tensor(row, dtype=torch.int64, device=device)
+    group = group if group is not None else world_group()
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     try:
         dist.all_gather(rows, mine, group=group)

@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from pipeline.groups import world_group
+
 from .launch import default_device, ensure_distributed
 from .lazy import LazyInitContext
 from .v_schedule import PipelineGraph, ScheduledNode
@@ -109,7 +111,7 @@ class DistCoordinator:
 
     def block_all(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
         """Barrier over the group (default: the world)."""
-        dist.barrier(group=process_group)
+        dist.barrier(group=process_group if process_group is not None else world_group())
 
     @contextlib.contextmanager
     def priority_execution(self, executor_rank: int = 0,

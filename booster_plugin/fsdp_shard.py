@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from pipeline.groups import group_backend, world_group
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.wrap import _Policy
 from torch.distributed.utils import _sync_module_states
@@ -26,10 +28,13 @@ _BROADCAST_BUCKET = 250 * 1024 * 1024  # DDP's bucket size for its own initial b
 
 
 def make_mesh(layout: ShardLayout, device: torch.device) -> DeviceMesh:
-    """1-D over the world (FSDP), or (replicate, shard) for HSDP."""
-    if layout.replicate == 1:
-        return init_device_mesh(device.type, (layout.shard,), mesh_dim_names=("shard",))
-    return init_device_mesh(device.type, (layout.replicate, layout.shard), mesh_dim_names=("replicate", "shard"))
+    """1-D over the world (FSDP), or (replicate, shard) for HSDP; its groups carry CPU tensors too
+    (`pipeline.groups.group_backend`), whatever backend the script's world group has."""
+    shape, names = ((layout.shard,), ("shard",)) if layout.replicate == 1 else \
+        ((layout.replicate, layout.shard), ("replicate", "shard"))
+    backend = group_backend()
+    override = None if backend is None else {dim: backend for dim in range(len(shape))}
+    return init_device_mesh(device.type, shape, mesh_dim_names=names, backend_override=override)
 
 
 def decoder_layers(model: nn.Module) -> List[nn.Module]:
@@ -88,7 +93,7 @@ def prepare_replicas(model: nn.Module, device: torch.device) -> nn.Module:
         materialize(model, device, None, 0)
     model = model.to(device)
     if dist.get_world_size() > 1:
-        _sync_module_states(model, dist.group.WORLD, _BROADCAST_BUCKET, 0, set())
+        _sync_module_states(model, world_group(), _BROADCAST_BUCKET, 0, set())
     return model
 
 

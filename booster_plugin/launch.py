@@ -9,6 +9,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from pipeline.groups import barrier_group, prepare_world_groups, world_group
+
 __all__ = ["default_device", "ensure_distributed", "alias", "agree_on_layout", "agree_on_values", "arrival_barrier",
            "check_int",
            "DEFAULT_TIMEOUT_S", "ARRIVAL_TIMEOUT_S"]
@@ -34,11 +36,13 @@ def default_device() -> torch.device:
 def ensure_distributed(timeout: float = DEFAULT_TIMEOUT_S, explicit: bool = False) -> None:
     """Initialize torch.distributed from torchrun's environment (gloo/NCCL by device) with `timeout` seconds per
     collective. A process group the user initialized keeps its timeout unless `explicit` (the plugin's `timeout`
-    argument was given): then the world group takes it too."""
+    argument was given): then the world group takes it too. Either way, the library's world-spanning groups
+    (`pipeline.groups`: one with a CPU backend, one gloo-only) exist when it returns (collective: every rank)."""
     if dist.is_initialized():
         if explicit:
             from torch.distributed.distributed_c10d import _set_pg_timeout
             _set_pg_timeout(timedelta(seconds=timeout))
+        prepare_world_groups(timedelta(seconds=timeout))
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -59,6 +63,7 @@ def ensure_distributed(timeout: float = DEFAULT_TIMEOUT_S, explicit: bool = Fals
         kwargs.update(store=dist.PrefixStore(f"hybrid_parallel/attempt_{attempt}", store),
                       rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend, **kwargs)
+    prepare_world_groups(timedelta(seconds=timeout))
 
 
 def alias(alias: str, alias_value: Optional[int], name: str, value: int) -> int:
@@ -82,7 +87,7 @@ def agree_on_values(what: str, fix: str, values: Dict[str, int]) -> None:
     `{what} ({name: rank 0 has a, rank r has b}); {fix}.`, if any value differs between ranks."""
     mine = torch.tensor(list(values.values()), dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine)
+    dist.all_gather(rows, mine, group=world_group())
     for rank, row in enumerate(rows):
         differ = [name for name, a, b in zip(values, row.tolist(), rows[0].tolist()) if a != b]
         if differ:
@@ -99,11 +104,10 @@ def check_int(name: str, value: Any, minimum: int) -> None:
 def arrival_barrier(call: str, seconds: float) -> None:
     """A monitored barrier over the world before the collective call `call`: a call made on some ranks only (e.g.
     under `if rank == 0:`) fails within `seconds` on the ranks that arrived, naming the missing ranks, instead of
-    hanging in the call's first collective. Backends without monitored barriers (NCCL alone) skip it."""
+    hanging in the call's first collective. It runs on the library's gloo-only world group, whatever backend the
+    script's world group has."""
     try:
-        dist.monitored_barrier(timeout=timedelta(seconds=seconds), wait_all_ranks=True)
-    except NotImplementedError:
-        return
+        dist.monitored_barrier(barrier_group(), timeout=timedelta(seconds=seconds), wait_all_ranks=True)
     except RuntimeError as error:
         raise RuntimeError(f"{call} is collective: every rank must call it (not only under `if rank == 0:`), but some "
                            f"ranks did not reach it within {seconds:.0f} s of the first ({error}).") from None

@@ -19,6 +19,8 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
+from pipeline.groups import world_group
+
 MAX_SKIPS_AT_MIN_SCALE = 5  # consecutive overflowing steps at min_scale that on_nonfinite="skip" rides out
 
 
@@ -112,7 +114,7 @@ def nonfinite_stages(grads: List[torch.Tensor], inv_scale: float, device: torch.
         torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
         found[stage] += flag.to(device)[0]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=world_group())
     return found > 0
 
 

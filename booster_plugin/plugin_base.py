@@ -12,6 +12,8 @@ from typing import Any, Callable, ContextManager, Optional, Protocol, Type
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from pipeline.groups import world_group
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.data import DataLoader, Dataset
@@ -114,7 +116,7 @@ class WorldDPPluginBase(DPPluginBase):
 
     @property
     def dp_group(self) -> ProcessGroup:
-        return dist.group.WORLD
+        return world_group()
 
     @property
     def dp_rank(self) -> int:

@@ -7,6 +7,8 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
+
+from pipeline.groups import world_group
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
@@ -60,7 +62,7 @@ class TorchDDPPlugin(WorldDPPluginBase):
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = model.to(self.device)
         device_ids = [self.device] if self.device.type != "cpu" else None
-        model = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+        model = DistributedDataParallel(model, device_ids=device_ids, process_group=world_group(), **self.ddp_kwargs)
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             optimizer = OptimizerWrapper(optimizer)
         return model, optimizer, criterion, dataloader, lr_scheduler

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import transformers
 from tqdm import tqdm
 
-from booster_plugin import Booster, HybridParallelPlugin
+from booster_plugin import Booster, HybridParallelPlugin, world_group
 from data import lm_datasets
 
 
@@ -180,7 +180,7 @@ def save_checkpoint(booster, model, path: str) -> bool:
         log("booster.save_model is not available yet: checkpoint not saved.")
         return False
     booster.save_model(model, path, shard=True, use_safetensors=True)
-    dist.barrier()  # every rank's shard is written before anyone reads the folder
+    dist.barrier(group=world_group())  # every rank's shard is written before anyone reads the folder
     log(f"checkpoint saved to {path}")
     return True
 
@@ -217,9 +217,9 @@ def finish(args, booster, plugin, model, tokenizer, losses: List[float], started
     if save_checkpoint(booster, model, args.out):
         if is_main():
             tokenizer.save_pretrained(args.out)
-        dist.barrier()
+        dist.barrier(group=world_group())
         generate_from_checkpoint(args.out, prompt)
-    dist.barrier()
+    dist.barrier(group=world_group())
     dist.destroy_process_group()
 
 

@@ -15,6 +15,8 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerFast
 
+from booster_plugin import world_group
+
 EOS, PAD = "<|endoftext|>", "<pad>"
 
 
@@ -72,7 +74,7 @@ def shared_tokenizer(texts: List[str], vocab_size: int = 2048) -> PreTrainedToke
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return train_tokenizer(texts, vocab_size)
     blob = [train_tokenizer(texts, vocab_size).backend_tokenizer.to_str() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(blob, src=0)
+    dist.broadcast_object_list(blob, src=0, group=world_group())
     return _wrap(Tokenizer.from_str(blob[0]))
 
 

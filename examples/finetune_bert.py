@@ -13,6 +13,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoTokenizer, BertForSequenceClassification  # noqa: E402
 
+from booster_plugin import world_group  # noqa: E402
+
 from common import (get_parser, is_main, log, save_checkpoint, setup, train, uses_pipeline,  # noqa: E402
                     warmup_cosine, write_trace)
 from data import prose_or_code_datasets  # noqa: E402
@@ -33,7 +35,7 @@ def accuracy(booster, plugin, args, model, criterion, dataloader) -> float:
         if logits is not None and plugin.tp_rank == 0:  # one count per data-parallel replica
             counts[0] += (logits.argmax(-1) == batch["labels"]).sum()
             counts[1] += len(batch["labels"])
-    dist.all_reduce(counts)
+    dist.all_reduce(counts, group=world_group())
     model.train()
     return (counts[0] / counts[1]).item()
 
@@ -85,7 +87,7 @@ def main() -> None:
         if is_main():
             tokenizer.save_pretrained(args.out)
             classify_examples(args.out)
-        dist.barrier()
+        dist.barrier(group=world_group())
     dist.destroy_process_group()
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from booster_plugin import Booster, HybridParallelPlugin
+from booster_plugin import Booster, HybridParallelPlugin, world_group
 
 COMPLETE = "COMPLETE"
 
@@ -99,7 +99,7 @@ def main() -> None:
             booster.save_model(model, os.path.join(path, "model"))
             booster.save_optimizer(optimizer, os.path.join(path, "optimizer"))
             booster.save_lr_scheduler(scheduler, os.path.join(path, "scheduler.json"))
-            dist.barrier()
+            dist.barrier(group=world_group())
             if dist.get_rank() == 0:
                 open(os.path.join(path, COMPLETE), "w").close()
     if dist.get_rank() == 0:

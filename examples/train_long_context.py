@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from booster_plugin import Booster, HybridParallelPlugin
+from booster_plugin import Booster, HybridParallelPlugin, world_group
 from booster_plugin.packing import pack_documents
 from common import dp_mean, get_parser, init_distributed, log, seed_all, train_step
 
@@ -98,7 +98,7 @@ def main() -> None:
     k = min(3, len(losses))
     log(f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f} (mean of last {k}: {sum(losses[-k:]) / k:.4f}); "
         f"{time.perf_counter() - start:.0f} s")
-    dist.barrier()
+    dist.barrier(group=world_group())
     dist.destroy_process_group()
 
 

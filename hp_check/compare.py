@@ -10,6 +10,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from pipeline.groups import world_group
 from torch import nn
 
 from booster_plugin import Booster, HybridParallelPlugin
@@ -88,7 +90,7 @@ def compare(build: Callable[[], nn.Module], tp: int, pp: int, policy=None, tol: 
         mismatches.append((0, -1, f"loss {got:.6g} != {want_loss:.6g}"))
     mismatches += _param_mismatches(model.unwrap(), reference, ref_grads, plugin.tp_group if tp > 1 else None, tol)
     everyone = [None] * world
-    dist.all_gather_object(everyone, min(mismatches) if mismatches else None)
+    dist.all_gather_object(everyone, min(mismatches) if mismatches else None, group=world_group())
     found = sorted(m for m in everyone if m is not None)
     if found:
         return Verdict("fail", found[0][2], loss_error)

@@ -9,12 +9,15 @@ from typing import Dict, Optional, Tuple
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from .groups import group_backend
+
 
 class ProcessGroupMesh:
     """Arranges the world's ranks in a row-major grid of `sizes`; the last axis holds contiguous ranks.
 
     Groups along an axis are created once for the whole world (every rank must take part in `new_group`)
-    and cached, so asking again is free.
+    and cached, so asking again is free. They carry CPU tensors also where the world group has no CPU backend
+    (`groups.group_backend`).
     """
 
     def __init__(self, *sizes: int, timeout: Optional[timedelta] = None) -> None:
@@ -60,7 +63,7 @@ class ProcessGroupMesh:
         """The cached group of exactly `ranks`. Collective: every rank must call it with the same `ranks`."""
         ranks = tuple(sorted(ranks))
         if ranks not in self._groups:
-            self._groups[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
+            self._groups[ranks] = dist.new_group(list(ranks), timeout=self.timeout, backend=group_backend())
         return self._groups[ranks]
 
     @staticmethod

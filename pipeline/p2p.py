@@ -21,6 +21,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
+
+from .groups import world_group
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from .stage_manager import PipelineStageManager
@@ -197,8 +199,9 @@ class PipelineP2PCommunication:
 
     def _run(self, sends: List[Tuple[int, str, torch.Tensor]], recvs: List[Tuple[int, str, torch.Tensor]]) -> None:
         if self.transport == "p2p":
-            ops = [dist.P2POp(dist.isend, t, peer) for peer, _, t in sends]
-            ops += [dist.P2POp(dist.irecv, t, peer) for peer, _, t in recvs]
+            group = world_group()  # global peer ranks, and a CPU backend whatever the script's world group has
+            ops = [dist.P2POp(dist.isend, t, peer, group) for peer, _, t in sends]
+            ops += [dist.P2POp(dist.irecv, t, peer, group) for peer, _, t in recvs]
             if not ops:
                 return
             works = dist.batch_isend_irecv(ops)

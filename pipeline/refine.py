@@ -23,6 +23,8 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .groups import world_group
+
 from .actions import B, COMPUTE, F, I, W, Action, Schedule, add_communication
 from .simulator import ScheduleError, simulate
 
@@ -111,7 +113,7 @@ def _moves(order: List[Action], i: int, reach: int, merging: bool):
 def agree_on_refined(schedule: Schedule, durations: Mapping[Tuple[str, int], Sequence[float]],
                      device: torch.device) -> Tuple[Schedule, float]:
     """The schedule refined for the costs measured on every rank, identical on every rank; and its simulated bubble
-    under those costs. Collective over the default group: every rank calls it after the same step.
+    under those costs. Collective over the world (`groups.world_group`): every rank calls it after the same step.
 
     Args:
         schedule: the schedule the step ran (the same on every rank).
@@ -124,7 +126,7 @@ def agree_on_refined(schedule: Schedule, durations: Mapping[Tuple[str, int], Seq
         if seconds:
             table[stage, _KINDS.index(kind)] += torch.tensor([statistics.median(seconds), 1.0], dtype=torch.float64)
     table = table.to(device)
-    dist.all_reduce(table)
+    dist.all_reduce(table, group=world_group())
     table = table.cpu()
     costs = {(kind, s): (table[s, k, 0] / table[s, k, 1]).item()
              for s in range(stages) for k, kind in enumerate(_KINDS) if table[s, k, 1] > 0}
@@ -145,7 +147,7 @@ def agree_on_refined(schedule: Schedule, durations: Mapping[Tuple[str, int], Seq
             encoded.fill_(-1)
             _encode(schedule, encoded)
     encoded = encoded.to(device)
-    dist.broadcast(encoded, src=0)
+    dist.broadcast(encoded, src=0, group=world_group())
     encoded = encoded.cpu()
     orders = [[Action(_KINDS[k], s, mb) for k, s, mb in row.tolist() if k >= 0] for row in encoded]
     refined = schedule._replace(actions=add_communication(orders, schedule.layout))

@@ -17,6 +17,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from .groups import world_group
+
 KINDS = ("forward", "backward", "send", "recv", "send+recv", "optimizer", "backward_input", "backward_weight")
 COMPUTE_KINDS = (0, 1, 6, 7)
 COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "send": "#55A868", "recv": "#8C8C8C", "send+recv": "#8172B3",
@@ -35,7 +37,7 @@ class ScheduleTracer:
     def start_step(self, num_microbatches: int, group: Optional[dist.ProcessGroup] = None,
                    theoretical_bubble: float = 0.0) -> None:
         """Align the ranks' clocks (a barrier) and note the schedule's bubble under unit costs."""
-        dist.barrier(group=group)
+        dist.barrier(group=group if group is not None else world_group())
         self.step += 1
         self.num_microbatches = num_microbatches
         self.theoretical_bubble = theoretical_bubble
@@ -52,6 +54,7 @@ class ScheduleTracer:
 
     def gather_and_write(self, out_dir: str, group: Optional[dist.ProcessGroup] = None) -> Optional[Dict[str, float]]:
         """Collective over `group` (default: the world): rank 0 of it writes trace.json, timeline.png, bubble.json."""
+        group = group if group is not None else world_group()
         rank = dist.get_rank(group)
         mine = torch.tensor([[k, mb, s, e, st, self.stage] for k, mb, s, e, st in self.events] or
                             torch.zeros(0, 6).tolist(), dtype=torch.float64).view(-1, 6)

@@ -52,11 +52,11 @@ def _end_task() -> bool:
     return bool(store is not None and store.check([_KEY]))
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         while (task := tasks.get()) is not _STOP:
             fn, args = task
@@ -73,14 +73,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 
 class _Pool:
-    """`world_size` ranks of one gloo group, each looping over the tasks it is sent."""
+    """`world_size` ranks of one world group made with `backend`, each looping over the tasks it is sent."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, backend: str) -> None:
         self.world_size = world_size
         self.results = _CTX.SimpleQueue()
         self.tasks = [_CTX.SimpleQueue() for _ in range(world_size)]
         port = _free_port()
-        self.procs = [_CTX.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results))
+        self.procs = [_CTX.Process(target=_worker, args=(r, world_size, port, backend, self.tasks[r], self.results))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -121,7 +121,7 @@ class _Pool:
                 p.join()
 
 
-_POOLS: Dict[int, _Pool] = {}
+_POOLS: Dict[Tuple[int, str], _Pool] = {}
 
 
 @atexit.register
@@ -132,7 +132,7 @@ def _close_pools() -> None:
 
 
 def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 480,
-                    fresh: bool = False) -> None:
+                    fresh: bool = False, backend: str = "gloo") -> None:
     """Run `fn(*args)` on `world_size` gloo ranks; fail with the ranks' tracebacks if any rank fails, and kill them
     all if they have not finished after `timeout` seconds (a hang fails the test instead of CI).
 
@@ -141,20 +141,23 @@ def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any, timeout
         fn: a module-level function (sent to the ranks by reference).
         timeout: seconds before the ranks are declared hung and killed.
         fresh: run in a new group that is discarded afterwards, instead of the session's pooled group.
+        backend: the world group's backend, as a script passes it to `init_process_group`; `"cuda:gloo"` makes a
+            world group without a CPU backend, as `"nccl"` is on a GPU (see `pipeline.groups`).
     """
-    pool: Optional[_Pool] = None if fresh else _POOLS.get(world_size)
+    key = (world_size, backend)
+    pool: Optional[_Pool] = None if fresh else _POOLS.get(key)
     if pool is None or not pool.alive():
         if pool is not None:
             pool.close(kill=True)
-        pool = _Pool(world_size)
+        pool = _Pool(world_size, backend)
         if not fresh:
-            _POOLS[world_size] = pool
+            _POOLS[key] = pool
     failures, hung, dirty = pool.run(fn, args, timeout)
     broken = bool(failures or hung or not pool.alive())
     if fresh or broken or dirty:
         pool.close(kill=broken)
-        if _POOLS.get(world_size) is pool:
-            del _POOLS[world_size]
+        if _POOLS.get(key) is pool:
+            del _POOLS[key]
     if failures or hung:
         msgs = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures))
         stuck = f"; ranks {hung} hung and were killed" if hung else ""

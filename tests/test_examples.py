@@ -13,11 +13,15 @@ from tests.dist_utils import _free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# launches a script in a world group without a CPU backend, as `init_process_group("nccl")` makes on GPUs
+NCCL_SHAPED = str(ROOT / "tests" / "nccl_shaped.py")
+
+
 def test_train_gpt2_example_runs_with_pipeline_parallel(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    from tests.dist_utils import _free_port
+    """In the world group a GPU script creates ("nccl": no CPU backend; "cuda:gloo" here)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(ROOT / "examples" / "train_gpt2.py"), "--steps", "6", "--batch-size", "8", "--seq-len", "64",
+           NCCL_SHAPED, str(ROOT / "examples" / "train_gpt2.py"), "--steps", "6", "--batch-size", "8", "--seq-len", "64",
            "--out", str(tmp_path / "gpt2")]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -113,12 +117,12 @@ def test_kill_one_rank_then_resume_is_exact(tmp_path):
 
 def test_two_nodes_train_like_one(tmp_path):
     """Two torchrun "nodes" on this machine (static rendezvous on 127.0.0.1, 2 ranks each) train tp=2 x pp=2 with
-    one process's losses."""
+    one process's losses, in a world group without a CPU backend (as "nccl")."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     port = _free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
                                "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
-                               str(ROOT / "examples" / "resume_training.py"), "--ckpt-dir", str(tmp_path / "ckpt"),
+                               NCCL_SHAPED, str(ROOT / "examples" / "resume_training.py"), "--ckpt-dir", str(tmp_path / "ckpt"),
                                "--steps", "3", "--save-every", "100"],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in range(2)]

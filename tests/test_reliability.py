@@ -400,11 +400,14 @@ def _collective_on_one_rank_default_timeout(tmp_dir: str):
 
 
 def test_collective_call_on_one_rank_fails_fast_by_default(tmp_path):
-    run_distributed(2, _collective_on_one_rank_default_timeout, str(tmp_path), timeout=120, fresh=True)
+    """In a world group without a CPU backend (as "nccl"): the arrival barrier runs on the library's gloo group."""
+    run_distributed(2, _collective_on_one_rank_default_timeout, str(tmp_path), timeout=120, fresh=True,
+                    backend="cuda:gloo")
 
 
 FAILING_STEP = """
 import time, torch, torch.distributed as dist
+dist.init_process_group("cuda:gloo")  # as a GPU script's "nccl": a world group without a CPU backend
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.failure import RankFailure
 from tests import model_utils as mu

@@ -11,6 +11,8 @@ from typing import Dict, Iterable, Iterator, List, NamedTuple
 import torch
 import torch.distributed as dist
 
+from pipeline.groups import world_group
+
 from shardformer.layer.spec import gather_tensor, get_tp_spec, unshard
 
 from ..parallel_module import HybridParallelModule
@@ -37,7 +39,7 @@ def model_plan(ctx: CheckpointContext, module: HybridParallelModule) -> TensorPl
     for i, n in enumerate(names):
         if stages[n] == ctx.stage and n in held:
             codes[i] = DTYPE_CODE.get(held[n].dtype, -2)
-    dist.all_reduce(codes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=world_group())
     entries = []
     for n, code in zip(names, codes.tolist()):
         if code < 0:
@@ -67,11 +69,11 @@ def gathered(ctx: CheckpointContext, module: HybridParallelModule, entries: Iter
             if e.name in experts:
                 t = gather_experts(t, ctx.ep_group)
             if ctx.rank == ctx.writer_rank(stage) and writer != ctx.rank:
-                dist.send(t.contiguous(), dst=writer)
+                dist.send(t.contiguous(), dst=writer, group=world_group())
             yield t.clone() if snapshot and ctx.rank == writer else t
         elif ctx.rank == writer:
             t = torch.empty(e.shape, dtype=e.dtype, device=ctx.device)
-            dist.recv(t, src=ctx.writer_rank(stage))
+            dist.recv(t, src=ctx.writer_rank(stage), group=world_group())
             yield t
 
 

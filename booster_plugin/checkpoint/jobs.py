@@ -22,6 +22,8 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from pipeline.groups import world_group
+
 from ..failure import default_store
 from .atomic import discard
 
@@ -46,7 +48,7 @@ def agree(error: Optional[str], action: str, device: torch.device) -> None:
     """Collective: if any rank has an error, every rank raises one CheckpointError listing them all."""
     flag = torch.tensor([1 if error else 0], dtype=torch.int64, device=device)
     try:
-        dist.all_reduce(flag)
+        dist.all_reduce(flag, group=world_group())
     except RuntimeError as lost:  # a rank left (exited right after an asynchronous save) or froze
         raise CheckpointError(f"{action} failed: another rank left the job or did not answer before the ranks agreed "
                               f"on the result ({lost}); {error or 'this rank had no error'}. A checkpoint is "
@@ -58,7 +60,7 @@ def agree(error: Optional[str], action: str, device: torch.device) -> None:
     if raw:
         mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     parts = [torch.empty(_MESSAGE_BYTES, dtype=torch.uint8, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine.to(device))
+    dist.all_gather(parts, mine.to(device), group=world_group())
     by_message: Dict[str, List[int]] = {}
     for rank, part in enumerate(parts):
         text = bytes(part.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace")

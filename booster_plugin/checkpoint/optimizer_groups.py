@@ -9,6 +9,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from pipeline.groups import world_group
+
 from .format import from_json
 from .optimizer import OptimizerParts
 
@@ -62,14 +64,14 @@ def agree_on_groups(parts: OptimizerParts, members: Sequence[GroupMember], stage
 
     An all-reduce of the group count, then one all-gather of [stage, (hyper, param) per group] per rank."""
     count = torch.tensor([len(members), -len(members)], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=world_group())
     most, fewest = int(count[0]), -int(count[1])
     if most != fewest:
         return (f"the optimizer has {fewest} param groups on some ranks and {most} on others: build it the same "
                 f"way on every rank")
     mine = torch.tensor([stage, *(v for m in members for v in m)], dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine)
+    dist.all_gather(rows, mine, group=world_group())
     rows = [r.tolist() for r in rows]
     names = sorted(parts.module.full_params)
     for gi in range(most):

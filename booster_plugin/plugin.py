@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.utils._pytree import tree_map_only
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -279,6 +280,8 @@ class HybridParallelPlugin(HybridPluginBase):
         except StopIteration:
             raise ValueError("execute_pipeline got an exhausted data iterator: pass a fresh iter(dataloader) or stop "
                              "the loop when the dataloader ends.") from None
+        # a dataloader's CPU tensors go to this rank's device, as a schedule's own batch would be
+        batch = tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), batch)
         microbatches = None  # unchecked: split in the step, so a batch that does not split fails it on every rank
         if self.config.check_batches:  # one small all-gather: a bad batch anywhere raises the same error everywhere
             microbatches = self._agreed_microbatches(batch, model.batch_limits)

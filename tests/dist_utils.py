@@ -27,6 +27,9 @@ import torch.multiprocessing as mp
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "transformers", "booster_plugin", "tests.model_utils"])
 _STOP = None  # the task that ends a worker
+# HP_TEST_DEVICE=cuda: a world of one runs on the GPU in an NCCL world group ("nccl" alone, as GPU scripts create it);
+# several ranks need as many GPUs (NCCL refuses two ranks on one GPU), so those tests skip, saying so
+TEST_DEVICE = os.environ.get("HP_TEST_DEVICE", "cpu")
 
 
 def _free_port() -> int:
@@ -57,6 +60,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     dist.init_process_group(backend, rank=rank, world_size=world_size)
+    if backend == "nccl":  # the references of tests.model_utils run on this rank's GPU too
+        from tests import model_utils
+        model_utils.DEVICE = torch.device("cuda", rank)
     try:
         while (task := tasks.get()) is not _STOP:
             fn, args = task
@@ -142,8 +148,16 @@ def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any, timeout
         timeout: seconds before the ranks are declared hung and killed.
         fresh: run in a new group that is discarded afterwards, instead of the session's pooled group.
         backend: the world group's backend, as a script passes it to `init_process_group`; `"cuda:gloo"` makes a
-            world group without a CPU backend, as `"nccl"` is on a GPU (see `pipeline.groups`).
+            world group without a CPU backend, as `"nccl"` is on a GPU (see `pipeline.groups`). Under
+            HP_TEST_DEVICE=cuda: "nccl", on GPUs (skipped where there are fewer GPUs than ranks).
     """
+    if TEST_DEVICE == "cuda":
+        import pytest
+        gpus = torch.cuda.device_count()
+        if world_size > gpus:
+            pytest.skip(f"{world_size} ranks need {world_size} GPUs under HP_TEST_DEVICE=cuda (NCCL runs one rank per "
+                        f"GPU); this machine has {gpus}")
+        backend = "nccl"
     key = (world_size, backend)
     pool: Optional[_Pool] = None if fresh else _POOLS.get(key)
     if pool is None or not pool.alive():

@@ -16,6 +16,12 @@ from shardformer.layer.spec import gather_tensor, get_tp_spec
 from shardformer.multimodal_batch import take_samples
 
 VOCAB, SEQ = 100, 8  # a vocabulary no tp size divides, to exercise padding
+DEVICE = torch.device("cpu")  # where references and batches live: the GPU in a world of one under HP_TEST_DEVICE=cuda
+
+
+def on_device(batch: Dict[str, Any]) -> Dict[str, Any]:
+    """The batch's tensors on DEVICE."""
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def gpt2_config(layers: int = 4) -> GPT2Config:
@@ -154,7 +160,7 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
     steps n..steps-1 (the reference trains all). `prepare(plugin)` runs after boosting (e.g. to set a schedule)."""
     plugin = HybridParallelPlugin(max_norm=max_norm, **plugin_kwargs)
     booster = Booster(plugin=plugin)
-    reference = build(kind, layers)
+    reference = build(kind, layers).to(DEVICE)
     model = copy.deepcopy(reference)
     # Adam's first update is lr * g / (|g| + eps): with the default eps=1e-8 a gradient element that is ~0 up to
     # fp32 rounding (summation order differs across layouts) can move by up to lr. eps=1e-6 bounds that gain to
@@ -176,7 +182,7 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
         booster.load_model(model, os.path.join(resume_from[0], "model"))
         booster.load_optimizer(opt, os.path.join(resume_from[0], "optimizer"))
     for step in range(steps):
-        global_batch = make_batch(kind, local_batch * dp, seed=100 + step)
+        global_batch = on_device(make_batch(kind, local_batch * dp, seed=100 + step))
         local = samples(kind, global_batch, dp_rank * local_batch, (dp_rank + 1) * local_batch)
         # reference: one process, the whole global batch; the loss of a batch is the mean over its microbatches
         # (equal to the plain batch loss when microbatches hold equally many loss tokens) and over dp replicas
@@ -202,7 +208,7 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
         opt.step()  # reduces gradients over stages and replicas, clips, steps
         ref_opt.step()
         if ref_norm is not None:
-            assert_close(torch.tensor(opt.get_grad_norm()), ref_norm.float(), f"{kind} step {step} gradient norm", tol)
+            assert_close(torch.tensor(opt.get_grad_norm()), ref_norm.float().cpu(), f"{kind} step {step} gradient norm", tol)
         stepped_grads = opt.gathered_grads()  # (p.grad with fp32 and zero_stage=0)
         for name, p in model.unwrap().named_parameters():
             grad = stepped_grads.get(id(p))
@@ -225,10 +231,10 @@ def check_evaluation(kind: str, layers: int = 4, local_batch: int = 8, **plugin_
     """Forward-only pipeline evaluation returns the reference loss on every rank and its outputs on the last stage."""
     plugin = HybridParallelPlugin(**plugin_kwargs)
     booster = Booster(plugin=plugin)
-    reference = build(kind, layers).eval()
+    reference = build(kind, layers).to(DEVICE).eval()
     model, *_ = booster.boost(copy.deepcopy(reference))
     model.eval()
-    batch = make_batch(kind, local_batch * plugin.dp_size, seed=7)
+    batch = on_device(make_batch(kind, local_batch * plugin.dp_size, seed=7))
     local = samples(kind, batch, plugin.dp_rank * local_batch, (plugin.dp_rank + 1) * local_batch)
     with torch.no_grad():
         expected = reference(**local)

@@ -34,6 +34,7 @@ def _dataset(size: int) -> TensorDataset:
 
 
 def _loss(model, ids: torch.Tensor) -> torch.Tensor:
+    ids = ids.to(mu.DEVICE)
     return model(input_ids=ids, labels=ids).loss
 
 
@@ -66,7 +67,7 @@ def _train_save_resume(kind: str, directory: str) -> None:
     world = dist.get_world_size()
     global_batch = LOCAL_BATCH * world
     data = _dataset(global_batch * (STEPS + 1))
-    reference = mu.build("llama_lm", LAYERS)
+    reference = mu.build("llama_lm", LAYERS).to(mu.DEVICE)
     ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_optim, step_size=1, gamma=0.9)
     plugin, booster, model, optim, scheduler = _boost(kind, seed=0)
@@ -82,7 +83,7 @@ def _train_save_resume(kind: str, directory: str) -> None:
         dist.all_reduce(loss, group=world_group())  # (the world group may have no CPU backend)
         mu.assert_close(loss / world, ref_loss.detach(), f"{kind} loss at step {step}")
         if ref_norm is not None:
-            mu.assert_close(torch.tensor(optim.get_grad_norm()), ref_norm, f"{kind} grad norm at step {step}")
+            mu.assert_close(torch.tensor(optim.get_grad_norm()), ref_norm.cpu(), f"{kind} grad norm at step {step}")
     trained = _full_state(model)
     for name, p in reference.named_parameters():
         mu.assert_close(trained[name], p.detach(), f"{kind} {name} after {STEPS} steps")
@@ -97,8 +98,8 @@ def _train_save_resume(kind: str, directory: str) -> None:
         assert len(set(index["weight_map"].values())) > 1, files
     else:
         assert "model.safetensors" in files and not any(f.endswith("index.json") for f in files), files
-    loaded = LlamaForCausalLM.from_pretrained(checkpoint)
-    ids = data.tensors[0][:global_batch]
+    loaded = LlamaForCausalLM.from_pretrained(checkpoint).to(mu.DEVICE)
+    ids = data.tensors[0][:global_batch].to(mu.DEVICE)
     with torch.no_grad():
         mu.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, f"{kind} reloaded logits")
     booster.save_optimizer(optim, checkpoint + "_optimizer")

@@ -113,7 +113,7 @@ def _boost(model, tp: int, pp: int):
 
 
 def _step(plugin, booster, model, optimizer) -> None:
-    batch = mu.make_batch("llama_lm", 4, seed=dist.get_rank() // (plugin.tp_size * plugin.pp_size))
+    batch = mu.on_device(mu.make_batch("llama_lm", 4, seed=dist.get_rank() // (plugin.tp_size * plugin.pp_size)))
     if plugin.pp_size > 1:
         booster.execute_pipeline(iter([batch]), model, mu.criterion, optimizer)
     else:
@@ -131,7 +131,7 @@ def _check_layout(path: str, tp: int, pp: int, tied: bool) -> None:
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     for (name, p), (eager_name, q) in zip(lazy[2].unwrap().named_parameters(), eager[2].unwrap().named_parameters()):
         assert name == eager_name and p.dtype == q.dtype and torch.equal(p, q), f"{what}: shard of {name} differs"
-        assert torch.equal(mu.gathered(p, p.data, group), ref_params[name]), f"{what}: {name} != from_pretrained"
+        assert torch.equal(mu.gathered(p, p.data, group).cpu(), ref_params[name]), f"{what}: {name} != from_pretrained"
     for (name, b), (_, c) in zip(lazy[2].unwrap().named_buffers(), eager[2].unwrap().named_buffers()):
         assert torch.equal(b, c), f"{what}: buffer {name} differs"
     if tied and pp == 1:

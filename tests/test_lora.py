@@ -41,7 +41,7 @@ def _train_like_peft(kind: str, steps: int = 2, local_batch: int = 4, **plugin_k
     stepped LoRA gradients and every parameter. Returns (booster, boosted model, base model, reference)."""
     plugin = HybridParallelPlugin(**plugin_kwargs)
     booster = Booster(plugin=plugin)
-    base = mu.build(kind)
+    base = mu.build(kind).to(mu.DEVICE)
     torch.manual_seed(1)
     reference = get_peft_model(copy.deepcopy(base), _config(kind))
     torch.manual_seed(1)
@@ -57,7 +57,7 @@ def _train_like_peft(kind: str, steps: int = 2, local_batch: int = 4, **plugin_k
     ref_params = dict(reference.get_base_model().named_parameters(remove_duplicate=False))
     base_params = dict(base.named_parameters(remove_duplicate=False))
     for step in range(steps):
-        batch = mu.make_batch(kind, local_batch * dp, seed=100 + step)
+        batch = mu.on_device(mu.make_batch(kind, local_batch * dp, seed=100 + step))
         replica = [{k: v[r * local_batch:(r + 1) * local_batch] for k, v in batch.items()} for r in range(dp)]
         ref_opt.zero_grad()
         ref_losses = [mu.microbatch_mean_loss(reference, b, mb) for b in replica]

@@ -1,13 +1,13 @@
 """One block of ring attention: softmax attention of one query chunk over one key chunk, forward and backward.
 
 Two implementations, one math:
-- fused: torch's own attention kernels that return the log-sum-exp (`FUSED`, by device type; CPU: the flash attention
-  kernel `_scaled_dot_product_flash_attention_for_cpu` and its backward). A block runs whole (the kernel tiles it
+- fused: torch's own attention kernels that return the log-sum-exp (`FUSED`, by device type, ring_kernels.py: CPU's
+  flash attention kernel, CUDA's memory-efficient one). A block runs whole (the kernel tiles it
   itself); a CAUSAL block with is_causal (its upper triangle is never computed), a MASKED block with an additive
   -inf mask (rows without any key there get log-sum-exp -inf, output 0). Key and value heads are passed as they
   are (the kernels group query heads themselves, as transformers' repeat_kv: query head h reads kv head h // g).
 - hand-written (the fallback): fp32 matmul / softmax in row tiles of at most `TILE_BYTES` of scores, for devices
-  without fused kernels (CUDA today), dtypes they lack, key and value head dims that differ, and blocks with rows
+  without fused kernels, dtypes they lack, key and value head dims that differ, and blocks with rows
   uniform over their keys (eager's finite-minimum mask on rows without any key: scores replaced by 0, which no
   additive mask expresses).
 Both backwards recompute the probabilities from the FINAL (global) log-sum-exp and use the final output (delta =
@@ -19,11 +19,12 @@ values [b, hkv, c, dv], h a multiple of hkv. With the fused kernels a block's ou
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, FrozenSet, Iterator, NamedTuple, Optional, Tuple, Union
+from typing import Iterator, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from .ring_kernels import FUSED, FusedKernels
 from .ring_layout import BlockKind, BlockMasks, ModelMask
 
 __all__ = ["Block", "FusedKernels", "FUSED", "TILE_BYTES", "block_forward", "block_backward", "merge", "finite"]
@@ -41,30 +42,6 @@ class Block(NamedTuple):
     def mask(self, device: torch.device) -> Mask:
         return self.masks.masked(self.q_chunk, self.k_chunk, device), self.masks.uniform(self.q_chunk, device)
 
-
-class FusedKernels(NamedTuple):
-    """A device's attention kernels with log-sum-exp, softmax scale 1 (the queries come scaled), no dropout."""
-    forward: Callable[[Tensor, Tensor, Tensor, bool, Optional[Tensor]], Tuple[Tensor, Tensor]]
-    # (q, k, v, is_causal, additive mask or None) -> (output [b, h, c, dv], log-sum-exp [b, h, c])
-    backward: Callable[..., Tuple[Tensor, Tensor, Tensor]]
-    # (grad, q, k, v, output, log-sum-exp, is_causal, additive mask or None) -> (dq, dk, dv)
-    dtypes: FrozenSet[torch.dtype]
-
-
-def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, bias: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
-                                                                      scale=1.0)
-
-
-def _cpu_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                  bias: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=1.0)
-
-
-FUSED: Dict[str, FusedKernels] = {  # device type -> fused kernels; others use the hand-written blocks
-    "cpu": FusedKernels(_cpu_forward, _cpu_backward, frozenset({torch.float32, torch.bfloat16, torch.float16})),
-}
 
 TILE_BYTES = {"cpu": 8 << 20, None: 256 << 20}  # hand-written path: fp32 scores per row tile, by device type
 

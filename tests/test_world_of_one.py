@@ -1,0 +1,51 @@
+"""A world of one process: the plugin's own machinery (microbatches, precision, clipping, ZeRO's no-op, checkpoints,
+lazy loading, LoRA, MoE with its router loss, evaluation, the FSDP plugins) equals one plain process. On CPU in CI; on
+the GPU with NCCL under HP_TEST_DEVICE=cuda (`make gpu-check`), where the references run on the GPU too.
+
+Reference: the unsharded model in the same process (tests/model_utils.check_training): loss, every gradient and the
+parameters after AdamW steps, 1e-5 in fp32."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+
+from tests import model_utils as mu
+from tests import test_expert_parallel  # noqa: F401  (registers the MoE families in mu.MODELS)
+from tests.dist_utils import run_distributed
+from tests.test_fsdp_plugins import PLUGINS, _train_save_resume
+from tests.test_lazy_pretrained import _check_layout, saved  # noqa: F401  (saved: the fixture of saved checkpoints)
+from tests.test_lora import _train_like_peft
+
+pytestmark = pytest.mark.cuda
+
+MIXED_TOL = 3e-2  # bf16 / fp16 compute against the fp32 reference
+
+
+def _plugin_cases(directory: str) -> None:
+    mu.check_training("llama_lm")  # model(**batch) + booster.backward
+    mu.check_training("llama_lm", num_microbatches=2, save_to=directory)  # execute_pipeline: accumulation
+    mu.check_training("llama_lm", steps=3, num_microbatches=2, resume_from=(directory, 2))
+    mu.check_training("gpt2_lm", max_norm=0.1, zero_stage=1)  # dp size 1: runs as zero_stage=0, clipped
+    mu.check_training("llama_lm", num_microbatches=2, precision="bf16", tol=MIXED_TOL)
+    mu.check_training("gpt2_lm", precision="fp16", tol=MIXED_TOL)
+    mu.check_training("qwen3moe_lm", num_microbatches=2)  # router loss on (coefficient 1.0)
+    mu.check_training("gptoss_lm")
+    mu.check_evaluation("llama_lm", num_microbatches=2)
+
+
+def _integrations(directory: str, paths) -> None:
+    _train_like_peft("llama_lm")
+    _check_layout(paths["tied"], 1, 1, tied=True)  # LazyInitContext + from_pretrained, then boost
+    for kind in PLUGINS:  # GeminiPlugin (clipping), TorchFSDPPlugin
+        _train_save_resume(kind, directory)
+
+
+def test_world_of_one_plugin():
+    with tempfile.TemporaryDirectory() as directory:
+        run_distributed(1, _plugin_cases, directory)
+
+
+def test_world_of_one_integrations(saved):  # noqa: F811
+    with tempfile.TemporaryDirectory() as directory:
+        run_distributed(1, _integrations, directory, saved)

@@ -24,14 +24,19 @@ router_aux_loss_coef 0.001; 4 layers on a GPU with less than 100 GiB), both at 4
 
 Per row: median step ms (torch.cuda.synchronize around each timed step), tokens/s, MFU =
 (6 * N_active + 12 * L * h_attn * S) * tokens / (step time * peak), peak memory (max_memory_allocated, reset per row),
-the first 3 losses. N_active: the parameters a token's matmuls use (the input embedding counts only where it is tied to
-the LM head; routed experts count top_k / num_experts of theirs); h_attn = heads * head_dim. Peak: 989.4 TFLOP/s
+the first 3 losses. N_active: the parameters a token's matmuls use (the input embedding counts only where it is tied
+to the LM head; routed experts count top_k / num_experts of theirs); h_attn = heads * head_dim. Peak: 989.4 TFLOP/s
 dense bf16 on H100 / H200 (by device name), else --peak-tflops (no MFU without one).
 
-Run:  python benchmarks/bench_gpu.py [--steps N] [--warmup N] [--models llama,qwen_moe] [--tiny] [--out PATH]
+Under autocast, transformers' default MoE kernel (grouped_mm; torch's grouped_mm is not on autocast's list) runs the
+experts in the weights' dtype, fp32: the MoE rows of the plain autocast loop are slower by that (noted in the table),
+and the pure-bf16 row is the like-for-like reference there.
+
+Run:  python benchmarks/bench_gpu.py [--steps N] [--warmup N] [--models llama,qwen_moe] [--sides ours,plain,...]
+                                    [--tiny] [--peak-tflops T] [--out PATH]
       (a world of one process: initializes torch.distributed itself, no torchrun needed)
       --tiny: tiny configs at seq 64 that run on a CPU in seconds (a smoke test of the script, not a benchmark).
-Writes benchmarks/results/gpu.json (or --out).
+Writes benchmarks/results/gpu.json (--tiny: gpu_tiny.json; or --out).
 """
 from __future__ import annotations
 
@@ -304,6 +309,9 @@ def run_row(side: str, spec: Dict[str, Any], batches, device, args, fused: bool)
     row: Dict[str, Any] = {"init_fingerprint": fingerprint(model),
                            "experts_implementation": getattr(model.config, "_experts_implementation", None),
                            "attn_implementation": model.config._attn_implementation}
+    if side in (PLAIN, PLAIN_GA2) and row["experts_implementation"] == "grouped_mm":
+        # torch's grouped_mm is not on autocast's list: transformers runs it in the weights' dtype, fp32 here
+        row["note"] = "experts fp32 (grouped_mm not autocast)"
     builder, microbatches = SIDE_BUILDERS[side]
     step, info, keep = builder(model, device, fused, microbatches)
     del model
@@ -350,10 +358,12 @@ def main() -> int:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="peak dense bf16 TFLOP/s for MFU (default: 989.4 on H100/H200, else no MFU)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--out", default=os.path.join(C.RESULTS_DIR, f"{NAME}.json"), help="results JSON path")
+    parser.add_argument("--out", default=None, help=f"results JSON (default benchmarks/results/{NAME}.json; --tiny: "
+                        f"{NAME}_tiny.json, git-ignored, so a smoke run leaves the GPU results alone)")
     args = parser.parse_args()
     args.steps = args.steps if args.steps is not None else (2 if args.tiny else 8)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
+    args.out = args.out or os.path.join(C.RESULTS_DIR, f"{NAME}_tiny.json" if args.tiny else f"{NAME}.json")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     keys = [s.strip() for s in args.sides.split(",") if s.strip()]
     for k in keys:
@@ -443,10 +453,9 @@ def report(results: Dict[str, Any]) -> str:
                 continue
             mfu = f"{100 * r['mfu']:.1f}" if r.get("mfu") is not None else "n/a"
             mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "n/a"
+            note = r.get("note") or (f"experts {r['experts_implementation']}" if "moe" in name else "")
             rows.append([name, side, f"{r['median_step_ms']:.1f}", f"{r['tokens_per_s']:.0f}", mfu, mem,
-                         fmt_losses(r["losses"]), "yes" if r.get("fused") else "no",
-                         f"experts {r['experts_implementation']}" if r.get("experts_implementation") and
-                         "moe" in name else ""])
+                         fmt_losses(r["losses"]), "yes" if r.get("fused") else "no", note])
         for label, ratio in entry.get("ratio_ours_over_plain", {}).items():
             lines.append(f"{name}: tokens/s {label} = {ratio:.3f}")
         if not entry.get("same_init", True):

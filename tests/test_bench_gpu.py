@@ -5,11 +5,16 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_gpu_tiny_every_row(tmp_path):
     device = "cuda" if os.environ.get("HP_TEST_DEVICE") == "cuda" else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("HP_TEST_DEVICE=cuda, but torch sees no CUDA device")
     out = tmp_path / "gpu.json"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--tiny", "--warmup", "2",

@@ -3,7 +3,7 @@ PYTHON ?= python3
 # one process per GPU where there are GPUs, else 2 CPU processes (the example picks tp/pp for the world size)
 NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && echo $$n || echo 2)
 
-.PHONY: install example test bench
+.PHONY: install example test bench gpu-check
 
 install:
 	@# torch first, pinned: here that takes the CPU wheel on disk; a plain `torch` requirement may pull a
@@ -27,3 +27,27 @@ bench: install
 	$(PYTHON) benchmarks/bench_memory.py
 	$(PYTHON) benchmarks/bench_comm.py
 	$(PYTHON) benchmarks/bench_lazy_init.py
+
+# GPU readiness, on a machine with one GPU and no package registry (torch, transformers, peft, pytest, tqdm already
+# there; this package is not installed: it runs from the checkout, so no `install`): the tests with
+# HP_TEST_DEVICE=cuda, then benchmarks/bench_gpu.py (ours vs plain torch, bf16). About 8 minutes at most (the two
+# timeouts below); logs, junit.xml and gpu.json land in GPU_CHECK_OUT. On a CPU it runs too, e.g.
+#   make gpu-check GPU_CHECK_TESTS=tests/test_layers.py GPU_BENCH_ARGS=--tiny
+GPU_CHECK_OUT ?= benchmarks/results/gpu-check
+GPU_CHECK_TESTS ?= tests
+GPU_TEST_ARGS ?=
+GPU_BENCH_ARGS ?=
+GPU_TEST_TIMEOUT ?= 300
+GPU_BENCH_TIMEOUT ?= 170
+
+gpu-check:
+	@mkdir -p $(GPU_CHECK_OUT) && rm -f $(GPU_CHECK_OUT)/tests.rc $(GPU_CHECK_OUT)/bench.rc $(GPU_CHECK_OUT)/junit.xml $(GPU_CHECK_OUT)/gpu.json
+	@echo "== gpu-check 1/2: HP_TEST_DEVICE=cuda pytest $(GPU_CHECK_TESTS) (at most $(GPU_TEST_TIMEOUT) s)"
+	@{ HP_TEST_DEVICE=cuda PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 timeout -k 15 $(GPU_TEST_TIMEOUT) \
+	    $(PYTHON) -m pytest $(GPU_CHECK_TESTS) -q -x -p no:cacheprovider --junitxml=$(GPU_CHECK_OUT)/junit.xml \
+	    $(GPU_TEST_ARGS); echo $$? > $(GPU_CHECK_OUT)/tests.rc; } 2>&1 | tee $(GPU_CHECK_OUT)/tests.log
+	@echo "== gpu-check 2/2: benchmarks/bench_gpu.py $(GPU_BENCH_ARGS) (at most $(GPU_BENCH_TIMEOUT) s)"
+	@{ PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 timeout -k 15 $(GPU_BENCH_TIMEOUT) \
+	    $(PYTHON) benchmarks/bench_gpu.py --out $(GPU_CHECK_OUT)/gpu.json $(GPU_BENCH_ARGS); \
+	    echo $$? > $(GPU_CHECK_OUT)/bench.rc; } 2>&1 | tee $(GPU_CHECK_OUT)/bench.log
+	@$(PYTHON) benchmarks/gpu_check_summary.py $(GPU_CHECK_OUT)

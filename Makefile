@@ -44,7 +44,7 @@ gpu-check:
 	@mkdir -p $(GPU_CHECK_OUT) && rm -f $(GPU_CHECK_OUT)/tests.rc $(GPU_CHECK_OUT)/bench.rc $(GPU_CHECK_OUT)/junit.xml $(GPU_CHECK_OUT)/gpu.json
 	@echo "== gpu-check 1/2: HP_TEST_DEVICE=cuda pytest $(GPU_CHECK_TESTS) (at most $(GPU_TEST_TIMEOUT) s)"
 	@{ HP_TEST_DEVICE=cuda PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 timeout -k 15 $(GPU_TEST_TIMEOUT) \
-	    $(PYTHON) -m pytest $(GPU_CHECK_TESTS) -q -x -p no:cacheprovider --junitxml=$(GPU_CHECK_OUT)/junit.xml \
+	    $(PYTHON) -m pytest $(GPU_CHECK_TESTS) -q -p no:cacheprovider --junitxml=$(GPU_CHECK_OUT)/junit.xml \
 	    $(GPU_TEST_ARGS); echo $$? > $(GPU_CHECK_OUT)/tests.rc; } 2>&1 | tee $(GPU_CHECK_OUT)/tests.log
 	@echo "== gpu-check 2/2: benchmarks/bench_gpu.py $(GPU_BENCH_ARGS) (at most $(GPU_BENCH_TIMEOUT) s)"
 	@{ PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 timeout -k 15 $(GPU_BENCH_TIMEOUT) \

@@ -7,7 +7,9 @@ diagonal of a square block).
 - CUDA: the memory-efficient kernel `_scaled_dot_product_efficient_attention` (fp32, bf16 and fp16, with a mask;
   the flash kernel takes neither fp32 nor a mask) and its backward. It takes as many key/value heads as query heads:
   they are repeated (repeat_kv's order) and their gradients summed back per kv head. Its log-sum-exp comes padded to
-  a multiple of 32 rows, and its mask needs rows aligned to 16 elements: both are padded here.
+  a multiple of 32 rows, and its mask needs rows aligned to 16 elements: both are padded here. Its backward takes the
+  output and its gradient in the forward output's memory layout ([b, c, h, d]): in bf16 another layout gave wrong
+  query and key gradients on an H200 (torch 2.11), fp32 did not.
 """
 from __future__ import annotations
 
@@ -67,6 +69,12 @@ def _cuda_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, bias: Optional[
     return out, lse[..., :q.shape[2]]
 
 
+def _as_forward_output(t: Tensor) -> Tensor:
+    """[b, h, c, d] laid out as the forward returns its output: [b, c, h, d] in memory. The half-precision backward
+    reads the output (for rowsum(grad * output)) in that layout whatever its strides say; fp32's follows them."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _cuda_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                    bias: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     rows = q.shape[2]
@@ -75,8 +83,8 @@ def _cuda_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the seed and offset are not read
     aligned = _aligned_bias(bias, q.shape[1])
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad.contiguous(), q, _heads(q, k), _heads(q, v), aligned, out.contiguous(), padded, no_rng, no_rng, 0.0,
-        [True, True, True, False], causal, scale=1.0)
+        _as_forward_output(grad), q, _heads(q, k), _heads(q, v), aligned, _as_forward_output(out), padded, no_rng,
+        no_rng, 0.0, [True, True, True, False], causal, scale=1.0)
     g = q.shape[1] // k.shape[1]
     if g > 1:  # each kv head's gradient: the sum over the query heads that read it
         dk = dk.unflatten(1, (k.shape[1], g)).sum(2)

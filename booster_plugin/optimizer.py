@@ -102,6 +102,7 @@ class HybridParallelOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
         self.model.zero_grad(set_to_none=set_to_none)
+        self._master_grad_pairs = []  # the last step's fp32 gradients: freed here, as the plain optimizer's are
 
     def named_parameters(self):
         """(model parameter name, the parameter this optimizer steps) for this rank's parameters."""

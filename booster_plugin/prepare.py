@@ -25,6 +25,7 @@ from shardformer.layer.dropout import TPRNGTracker
 from shardformer.layer.split_weight_grads import prepare_split_backward
 from shardformer.multimodal_batch import image_rows
 from shardformer.policies import Policy, get_autopolicy
+from shardformer.precision import cast_to_compute_dtype
 from shardformer.sharder import ShardConfig, Sharder
 
 from .activation_checkpoint import apply_activation_checkpointing
@@ -140,7 +141,7 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
                                    [sum(per_stage[s] for s in layout.stages_of(r)) for r in range(ctx.pp.size)],
                                    opts.sharding.gradient_checkpoint_config, rng_tracker)
     if opts.precision.precision in _DTYPES:
-        model.to(_DTYPES[opts.precision.precision])
+        cast_to_compute_dtype(model, _DTYPES[opts.precision.precision])  # rotary tables stay fp32
     sharder.materialize(opts.device)  # lazy init: a model built on the meta device gets only this rank's shard
     model.to(opts.device)
     return sharder, shared_names

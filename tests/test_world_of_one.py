@@ -6,9 +6,13 @@ Reference: the unsharded model in the same process (tests/model_utils.check_trai
 parameters after AdamW steps, 1e-5 in fp32."""
 from __future__ import annotations
 
+import copy
 import tempfile
 
 import pytest
+import torch
+
+from booster_plugin import Booster, HybridParallelPlugin
 
 from tests import model_utils as mu
 from tests import test_expert_parallel  # noqa: F401  (registers the MoE families in mu.MODELS)
@@ -22,7 +26,19 @@ pytestmark = pytest.mark.cuda
 MIXED_TOL = 3e-2  # bf16 / fp16 compute against the fp32 reference
 
 
+def _rotary_tables_stay_fp32() -> None:
+    """precision="bf16" casts the model as from_pretrained(dtype=bf16) builds it: the rotary frequency table in fp32
+    (rounded to bf16, positions far from 0 would get other angles), the weights in bf16."""
+    reference = mu.build("llama_lm").to(mu.DEVICE)
+    booster = Booster(plugin=HybridParallelPlugin(precision="bf16"))
+    model, *_ = booster.boost(copy.deepcopy(reference))
+    rotary = model.unwrap().model.rotary_emb
+    assert rotary.inv_freq.dtype == torch.float32 and torch.equal(rotary.inv_freq, reference.model.rotary_emb.inv_freq)
+    assert model.unwrap().model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
 def _plugin_cases(directory: str) -> None:
+    _rotary_tables_stay_fp32()
     mu.check_training("llama_lm")  # model(**batch) + booster.backward
     mu.check_training("llama_lm", num_microbatches=2, save_to=directory)  # execute_pipeline: accumulation
     mu.check_training("llama_lm", steps=3, num_microbatches=2, resume_from=(directory, 2))

@@ -88,6 +88,11 @@ class Booster:
     def backward(self, loss: torch.Tensor, optimizer) -> None:
         """Backward of `loss` through the boosted optimizer (with a pipeline, execute_pipeline runs the backward
         passes)."""
+        if not callable(getattr(optimizer, "backward", None)):  # e.g. a torch optimizer that skipped boost
+            raise TypeError(f"booster.backward needs the optimizer booster.boost returned, got a "
+                            f"{type(optimizer).__module__}.{type(optimizer).__name__} that did not go through boost: "
+                            f"build it from the model's parameters before boosting and pass it to boost: `model, "
+                            f"optimizer, *_ = booster.boost(model, optimizer)`, then use the optimizer boost returned.")
         self.plugin.backward(loss, optimizer)
 
     def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion: Callable, optimizer=None,

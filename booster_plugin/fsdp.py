@@ -31,6 +31,7 @@ from .fsdp_shard import (decoder_layers, make_mesh, parameter_names, policy_targ
                          rebind_optimizer, shard_model)
 from .launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
 from .mixed_precision import DynamicLossScaler, LossScalerConfig
+from .optimizer_guard import guard_parameters
 from .plugin_base import WorldDPPluginBase
 
 __all__ = ["FSDPPluginBase", "GeminiPlugin", "TorchFSDPPlugin"]
@@ -76,6 +77,7 @@ class FSDPPluginBase(WorldDPPluginBase):
         layers = policy_targets(model, self.wrap_policy) if self.wrap_policy is not None else decoder_layers(model)
         shard_model(model, layers, self.mesh, self.layout, self.mp_policy, self.root_mp_policy, self.offload_policy)
         boosted = FSDPModel(model)
+        guard_parameters(model)  # an optimizer that skips boost is refused at its step, as HybridParallelPlugin's
         if optimizer is not None and not isinstance(optimizer, FSDPOptimizerWrapper):
             rebind_optimizer(optimizer, names, model)
             optimizer = self._wrap_optimizer(optimizer, boosted)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .mixed_precision import DynamicLossScaler
+from .optimizer_guard import boosted_step
 from .optimizer_wrapper import OptimizerWrapper
 
 __all__ = ["FSDPOptimizerWrapper", "GeminiOptimizer", "full_value"]
@@ -39,6 +40,10 @@ class FSDPOptimizerWrapper(OptimizerWrapper):
 
     def unwrap_model(self) -> nn.Module:
         return self.model
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        with boosted_step(self.optim):  # (an optimizer stepping these parameters outside boost is refused)
+            return self.optim.step(*args, **kwargs)
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients' global norm (over every rank's shards); returns that norm before clipping."""
@@ -85,7 +90,8 @@ class GeminiOptimizer(FSDPOptimizerWrapper):
         if self.max_norm > 0:
             norm = nn.utils.clip_grad_norm_(self.parameters, self.max_norm)
             self._grad_norm = float(full_value(norm))
-        result = self.optim.step(*args, **kwargs)
+        with boosted_step(self.optim):
+            result = self.optim.step(*args, **kwargs)
         self.zero_grad()
         return result
 

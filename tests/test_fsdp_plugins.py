@@ -139,9 +139,30 @@ def _precisions() -> None:
         assert (optim.scaler is not None) == (precision == "fp16")
 
 
+def _check_optimizer_not_boosted_is_refused(kind: str) -> None:
+    """An optimizer built after boost, or the original object stepped instead of the boosted one, would skip the
+    plugin's step (Gemini's clipping, loss scaling): refused at its step, as HybridParallelPlugin refuses it; and
+    booster.backward with one names the fix."""
+    plugin = PLUGINS[kind]()
+    booster = Booster(plugin=plugin)
+    model = mu.build("llama_lm", LAYERS)
+    original = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, *_ = booster.boost(model, original)
+    ids = _dataset(LOCAL_BATCH).tensors[0]
+    for stray in (torch.optim.AdamW(model.parameters(), lr=1e-3), original):
+        with pytest.raises(TypeError, match="booster.backward needs the optimizer booster.boost returned"):
+            booster.backward(_loss(model, ids), stray)
+        booster.backward(_loss(model, ids), opt)
+        with pytest.raises(RuntimeError, match="did not go through booster.boost"):
+            stray.step()
+        opt.step()  # the boosted one steps
+        opt.zero_grad()
+
+
 def _all(directory: str) -> None:
     for kind in PLUGINS:
         _train_save_resume(kind, directory)
+        _check_optimizer_not_boosted_is_refused(kind)
     _precisions()
 
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from ..fsdp_model import fsdp_module, hf_class_name
+from ..optimizer_guard import boosted_step
 from ..optimizer_wrapper import OptimizerWrapper
 from .atomic import replace_file, resolve_dir, swap_into_place
 from .ddp_io import OPTIMIZER_JSON, OPTIMIZER_TENSORS, TorchDDPCheckpointIO, _no_commit, _tied_targets, read_state
@@ -104,7 +105,8 @@ class FSDPCheckpointIO(TorchDDPCheckpointIO):
 
     def _optimizer_phase(self, optimizer: OptimizerWrapper, optim: torch.optim.Optimizer, module: nn.Module,
                          tmp: str, path: str) -> LocalPhase:
-        state = get_optimizer_state_dict(module, optim, options=_GATHER)  # collective
+        with boosted_step(optim):  # (before any step, torch initializes the state with a step of lr 0)
+            state = get_optimizer_state_dict(module, optim, options=_GATHER)  # collective
         if self.context.rank != 0:
             return LocalPhase(commit=_no_commit)
         try:
@@ -126,7 +128,8 @@ class FSDPCheckpointIO(TorchDDPCheckpointIO):
                                      num_threads)
         agree(error, f"load_optimizer({checkpoint!r})", self.context.device)
         state, scaler_state = loaded
-        set_optimizer_state_dict(module, optim, state, options=StateDictOptions(full_state_dict=True))
+        with boosted_step(optim):  # torch initializes the state with a step of lr 0 (not the user's stray step)
+            set_optimizer_state_dict(module, optim, state, options=StateDictOptions(full_state_dict=True))
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None and scaler_state is not None:
             scaler.load_state_dict(scaler_state)

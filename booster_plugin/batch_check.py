@@ -46,11 +46,13 @@ _AGREED = contextvars.ContextVar("batch_agreed", default=False)
 
 class BatchLimits(NamedTuple):
     """What the model accepts: token ids in [0, vocab), labels in [0, label_vocab) or ignore_index (LM heads only),
-    sequence lengths that are multiples of `sequence_multiple` (sequence parallelism: the tp size)."""
+    sequence lengths that are multiples of `sequence_multiple` (sequence parallelism: the ranks the sequence is split
+    over, as `sequence_split` words it)."""
     vocab: Optional[int]
     label_vocab: Optional[int]
     ignore_index: int = -100
     sequence_multiple: int = 1
+    sequence_split: str = ""
     ragged: Optional[Callable] = None  # inputs indexing images, not samples (shardformer/multimodal_batch.py)
 
 
@@ -195,9 +197,9 @@ def _bad_batch(row: List[int], rank: int, limits: BatchLimits) -> Exception:
                           f"equal ignore_index={limits.ignore_index}.")
     if code == BAD_LENGTH:
         n = limits.sequence_multiple
-        return ValueError(f"Sequence length {v} {where} is not divisible by tp_size={n}: "
-                          f"enable_sequence_parallelism splits the sequence over the tp ranks; pad the batches to "
-                          f"a multiple of {n} (e.g. the tokenizer's pad_to_multiple_of={n}).")
+        return ValueError(f"Sequence length {v} {where} is not a multiple of {n}: enable_sequence_parallelism "
+                          f"splits the sequence over {limits.sequence_split}; pad the batches to a multiple of {n} "
+                          f"(e.g. the tokenizer's pad_to_multiple_of={n}).")
     if code == BAD_MASK:
         pair, which, *dims = row[2:2 + _DETAIL_SLOTS]
         mask_key, token_keys = _MASKED[pair]

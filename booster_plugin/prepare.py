@@ -74,9 +74,9 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
         param_names.setdefault(id(p), []).append(name)
     policy = opts.sharding.custom_policy if opts.sharding.custom_policy is not None else get_autopolicy(model)
     # the unsharded layout (names, shapes, dtypes), for checkpoints in HF format; what batches the model accepts
+    multiple, split = _sequence_split(opts.sharding, ctx)
     info = ModelInfo(policy, {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)},
-                     BatchLimits(vocab_of(model), label_vocab_of(model),
-                                 sequence_multiple=_sequence_multiple(opts.sharding, ctx),
+                     BatchLimits(vocab_of(model), label_vocab_of(model), sequence_multiple=multiple, sequence_split=split,
                                  ragged=image_rows(model.config) if hasattr(model, "config") else None), lora)
     sharder, shared_names = _shard(model, policy, opts, ctx, stage_manager)
     info = replace(info, expert_params=frozenset(sharder.expert_params), sequence_head=sharder.sequence_head)
@@ -147,13 +147,15 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
     return sharder, shared_names
 
 
-def _sequence_multiple(sharding: ShardingConfig, ctx: ParallelContext) -> int:
-    """What a batch's sequence length must be a multiple of: the ranks the sequence is split over (ring_attn: two
-    chunks each)."""
+def _sequence_split(sharding: ShardingConfig, ctx: ParallelContext) -> Tuple[int, str]:
+    """What a batch's sequence length must be a multiple of, and the split that asks for it, in the plugin's
+    words: the ranks the sequence is split over (ring_attn: two chunks each)."""
     if sharding.sp_mode is None:
-        return 1
-    ranks = ctx.sp.size if ctx.sp.size > 1 else ctx.tp.size
-    return 2 * ranks if sharding.sp_mode == "ring_attn" else ranks
+        return 1, ""
+    ranks, name = (ctx.sp.size, "sp_size") if ctx.sp.size > 1 else (ctx.tp.size, "tp_size")
+    if sharding.sp_mode == "ring_attn":
+        return 2 * ranks, f"{name}={ranks} ranks in 2 chunks each (ring_attn)"
+    return ranks, f"{name}={ranks} ranks ({sharding.sp_mode})"
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: Dict[int, list], params: Dict[str, nn.Parameter]) -> None:

@@ -199,7 +199,13 @@ STEP_CASES = [
     # sequence parallelism splits the sequence over tp: a length tp does not divide is refused on every rank
     (lambda: _step(dict(tp_size=2, num_microbatches=2, enable_sequence_parallelism=True),
                    {k: v[:, :7] for k, v in GOOD.items()}),
-     ValueError, "Sequence length 7 on rank 0 \\(data-parallel replica 0\\) is not divisible by tp_size=2"),
+     ValueError, "Sequence length 7 on rank 0 \\(data-parallel replica 0\\) is not a multiple of 2: "
+                 "enable_sequence_parallelism splits the sequence over tp_size=2 ranks \\(split_gather\\)"),
+    # ring attention over a group of its own (tp=1): the message names sp_size and the 2 chunks per rank
+    (lambda: _step(dict(sp_size=2, num_microbatches=2, enable_sequence_parallelism=True,
+                        sequence_parallelism_mode="ring_attn"), {k: v[:, :6] for k, v in GOOD.items()}, "llama_lm"),
+     ValueError, "Sequence length 6 on rank 0 .* is not a multiple of 4: enable_sequence_parallelism splits the "
+                 "sequence over sp_size=2 ranks in 2 chunks each \\(ring_attn\\)"),
     (lambda: _forward(dict(tp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all"),
                       {k: v[:, :7] for k, v in GOOD.items()}),
      ValueError, "splits the sequence over tp_size=2 ranks, but this batch has sequence length 7: pad the batch"),

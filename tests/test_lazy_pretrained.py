@@ -73,6 +73,17 @@ def test_materialize_equals_from_pretrained(saved):
     assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_meta
 
 
+def test_truncated_file_is_named(saved, tmp_path):
+    """A truncated safetensors file (an interrupted download): the error names the file and the fix."""
+    import shutil
+    copy_dir = tmp_path / "truncated"
+    shutil.copytree(saved["untied"], copy_dir)
+    weights = copy_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"checkpoint file {weights} is corrupted or truncated .*download it again"):
+        _lazy(str(copy_dir))
+
+
 def test_missing_keys_initialized_as_from_pretrained(saved):
     """A causal LM from a base model's checkpoint: the head is missing, reported as such and initialized by the
     model's own init (its draws differ from from_pretrained's); everything else equals from_pretrained's."""

@@ -82,14 +82,23 @@ def _refuse_unsupported(checkpoint_files, load_config) -> None:
                                   f"device_map over {sorted(map(str, devices))} is not supported.")
 
 
-def _read_headers(checkpoint_files: List[str]) -> Tuple[Dict[str, Tuple[int, ...]], Dict[str, str]]:
-    """({key: shape}, {key: file}) from the files' headers; no tensor is read."""
+def _safe_open(path: str):
+    """safetensors' `safe_open`, its errors naming the file (a truncated download says only "incomplete metadata")."""
     from safetensors import safe_open
 
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as error:  # truncated, corrupted header, not a safetensors file
+        raise ValueError(f"from_pretrained under LazyInitContext: checkpoint file {path} is corrupted or truncated "
+                         f"({error}); download it again.") from None
+
+
+def _read_headers(checkpoint_files: List[str]) -> Tuple[Dict[str, Tuple[int, ...]], Dict[str, str]]:
+    """({key: shape}, {key: file}) from the files' headers; no tensor is read."""
     shapes: Dict[str, Tuple[int, ...]] = {}
     paths: Dict[str, str] = {}
     for path in checkpoint_files:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with _safe_open(path) as f:
             for key in f.keys():
                 shapes[key] = tuple(f.get_slice(key).get_shape())
                 paths[key] = str(path)
@@ -126,11 +135,10 @@ def _plan(model, paths: Dict[str, str], load_config):
 
 def _load_eagerly(model, keys: Dict[str, str], load_config, info) -> None:
     """transformers loads (and converts) these checkpoint keys itself; its report is merged into `info`."""
-    from safetensors import safe_open
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
     with contextlib.ExitStack() as stack:
-        files = {path: stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+        files = {path: stack.enter_context(_safe_open(path))
                  for path in set(keys.values())}
         state = {key: files[path].get_slice(key) for key, path in keys.items()}
         done, _ = convert_and_load_state_dict_in_model(model=model, state_dict=state, load_config=load_config)

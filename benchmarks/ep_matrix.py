@@ -2,7 +2,9 @@
 moe_dp, against one process, with tests/model_utils.check_training (2 AdamW steps: the loss with the router's
 load-balancing loss on, every gradient with expert parameters gathered over ep, every parameter after each step, at
 1e-5, fp32) and the tiny MoE builders of tests/test_expert_parallel.py (4 layers, 4 experts, top-2,
-output_router_logits=True, router_aux_loss_coef=1.0; DeepSeek-V3 with its first layer dense).
+output_router_logits=True, router_aux_loss_coef=1.0; DeepSeek-V3 with its first layer dense). The router loss is
+on in every cell: a builder with it off is refused, and each cell records `aux_loss`, whether the family's own forward
+adds it (false for DeepSeek-V3 only: transformers records its router logits but computes no aux loss).
 
 Layouts (ep, tp, pp) and ranks:
   (2,1,1) on 4 ranks: dp 4 = moe_dp 2 x ep 2 (expert gradients averaged over moe_dp)
@@ -41,8 +43,22 @@ def label(layout: str, world: int) -> str:
     return f"({layout}) {world} ranks" + (f", moe_dp {dp // ep}" if dp > ep else "")
 
 
+def router_loss(kind: str) -> bool:
+    """Raise unless `kind`'s builder records router logits with the load-balancing loss at coefficient 1.0; whether
+    the family's own forward adds that loss (transformers computes none for DeepSeek-V3, which records the logits
+    only)."""
+    import tests.test_expert_parallel  # noqa: F401  (registers the MoE builders in model_utils.MODELS)
+    from tests import model_utils as mu
+    model = mu.build(kind, layers=2)
+    if not (model.config.output_router_logits and getattr(model.config, "router_aux_loss_coef", None) == 1.0):
+        raise ValueError(f"{kind}: the matrix runs with the router loss on (output_router_logits=True, "
+                         f"router_aux_loss_coef=1.0); its builder has it off")
+    return getattr(model(**mu.make_batch(kind, 2, seed=0)), "aux_loss", None) is not None
+
+
 def cell(kind: str, layout: str) -> None:
-    """On every rank: check_training of `kind` under `layout` (raises on the first mismatch)."""
+    """On every rank: check_training of `kind` under `layout` (raises on the first mismatch); main checked that the
+    builder has the router loss on."""
     import tests.test_expert_parallel  # noqa: F401  (registers the MoE builders in model_utils.MODELS)
     from tests import model_utils as mu
     ep, tp, pp = (int(x) for x in layout.split(","))
@@ -89,13 +105,13 @@ def main() -> None:
     start = time.time()
     for layout in layouts:
         for kind in kinds:
-            t0 = time.time()
+            t0, aux = time.time(), router_loss(kind)
             try:
                 run_distributed(LAYOUTS[layout], ep_matrix.cell, kind, layout, timeout=args.timeout)
                 result = {"result": "pass"}
             except AssertionError as error:
                 result = {"result": "fail", "detail": first_error(str(error))}
-            result["seconds"] = round(time.time() - t0, 1)
+            result.update(aux_loss=aux, seconds=round(time.time() - t0, 1))
             matrix["results"].setdefault(MODELS[kind], {})[label(layout, LAYOUTS[layout])] = result
             print(f"{MODELS[kind]:12s} {label(layout, LAYOUTS[layout]):28s} {result['result']} "
                   f"{result.get('detail', '')} ({result['seconds']} s)", flush=True)
@@ -103,7 +119,8 @@ def main() -> None:
     matrix["note"] = (
         "A one-off run of `python benchmarks/ep_matrix.py` (not in CI): five MoE families (the tiny builders of "
         "tests/test_expert_parallel.py: 4 layers, 4 experts, top-2, router load-balancing loss on with coefficient "
-        "1.0) trained 2 AdamW steps with tests/model_utils.check_training against one process (loss, every "
+        "1.0 in every cell; DeepSeek-V3 records router logits but transformers adds no aux loss for it: aux_loss "
+        "false) trained 2 AdamW steps with tests/model_utils.check_training against one process (loss, every "
         "gradient, every parameter after each step, 1e-5, fp32) under (ep, tp, pp) layouts; dp = world / (tp x pp), "
         "ep carved out of dp (moe_dp = dp / ep), microbatches 2 where pp = 2. "
         f"transformers {_version()}, gloo on this 2-core CPU machine.")

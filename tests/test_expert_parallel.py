@@ -64,6 +64,10 @@ def _four_ranks():
         mu.check_training("qwen3moe_lm", steps=2, ep_size=2, zero_stage=zero, precision="fp32")
     mu.check_training("mixtral_lm", steps=1, ep_size=4, max_norm=0.05)  # every expert on its own rank, clipped
     mu.check_training("gptoss_lm", steps=1, ep_size=2, dp_outside=False, pp_size=2, num_microbatches=2)
+    for kind in ("mixtral_lm", "gptoss_lm"):  # the router loss at ep=2 x {pp=2, tp=2, ZeRO-2} (Qwen3-MoE: above)
+        mu.check_training(kind, steps=1, ep_size=2, pp_size=2, num_microbatches=2)  # dp 2 = ep 2
+        mu.check_training(kind, steps=1, ep_size=2, tp_size=2)  # dp 2 = ep 2
+        mu.check_training(kind, steps=1, ep_size=2, zero_stage=2)  # dp 4 = moe_dp 2 x ep 2
     for zero in (0, 2):  # dp 4 = moe_dp 2 x ep 2, experts of ep rank 1 never routed: nothing hangs, zero gradients
         mu.check_training("gptoss_idle_lm", steps=2, ep_size=2, zero_stage=zero, max_norm=0.05)
     mu.check_training("gptoss_idle_lm", steps=1, ep_size=2, precision="fp16", tol=5e-3)  # overflow checks too

@@ -11,7 +11,9 @@ default process group) before re-raising, and a watchdog thread on every rank po
 - a rank outside a step raises `RankFailure` naming the failing rank at its next step or checkpoint call.
 The failing rank itself refuses further steps with the same error, so a script that catches it stops cleanly. A rank
 that dies without raising (killed, out of memory) closes its connections: its peers' collectives fail at once and
-they report the lost connection through the same path.
+they report the lost connection through the same path. A rank that stops without dying (SIGSTOP, a hung host) stops
+beating (heartbeat.py): a peer waiting for it publishes that it stopped responding, naming it, within about 2.6
+minutes by default, and every rank still in the step stops with that message.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import time
 from typing import Iterator, Optional
 
 import torch.distributed as dist
+
+from .heartbeat import Heartbeats, frozen_after_seconds
 
 __all__ = ["RankFailure", "FailureGuard", "default_store"]
 
@@ -58,6 +62,9 @@ class FailureGuard:
         self._store = default_store()
         self._failure: Optional[str] = None
         self._in_step = threading.Event()
+        self._step_since: Optional[float] = None  # monotonic start of the step this rank is in (heartbeat.py)
+        self._beats = None if self._store is None else Heartbeats(self._store, self.rank, dist.get_world_size(),
+                                                                  frozen_after_seconds())
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         if self._store is not None:
@@ -76,6 +83,7 @@ class FailureGuard:
             yield
             return
         self.check()
+        self._step_since = time.monotonic()
         self._in_step.set()
         try:
             yield
@@ -91,6 +99,23 @@ class FailureGuard:
             raise
         finally:
             self._in_step.clear()
+            self._step_since = None
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """A collective of this rank outside a step (the per-step batch agreement): a peer's published failure or
+        a frozen peer ends the wait as inside a step; this rank's own errors are not published (every rank raises
+        the same one there)."""
+        if self._in_step.is_set():
+            yield
+            return
+        self._step_since = time.monotonic()
+        self._in_step.set()
+        try:
+            yield
+        finally:
+            self._in_step.clear()
+            self._step_since = None
 
     def check(self) -> None:
         """Raise RankFailure if any rank has failed (checked at the start of every step)."""
@@ -145,6 +170,7 @@ class FailureGuard:
 
     def _watch(self, poll_seconds: float) -> None:
         while not self._stop.wait(poll_seconds):
+            self._watch_heartbeats()
             failure = self._read()
             if failure is None:
                 continue
@@ -156,6 +182,20 @@ class FailureGuard:
                 print(f"[hybrid-parallel rank {self.rank}] stopping: {failure}", file=sys.stderr, flush=True)
                 os._exit(1)
             return
+
+
+    def _watch_heartbeats(self) -> None:
+        """Beat; inside a long step, publish a rank whose heartbeat stopped (then every rank still in the step
+        stops, naming it: see `_watch`)."""
+        try:
+            frozen = self._beats.tick(self._step_since if self._in_step.is_set() else None)
+        except Exception:  # the store's host is gone: `_read` reports it
+            return
+        if frozen is not None:
+            rank, silent = frozen
+            self._publish(f"rank {rank} stopped responding: no heartbeat for {silent:.0f} s while rank {self.rank} "
+                          f"waited for it (frozen: stopped with SIGSTOP, a hung host, swapped out); the bound is "
+                          f"HYBRID_PARALLEL_FROZEN_RANK_S={self._beats.frozen_after:.0f} s")
 
 
 def default_store():

@@ -326,7 +326,8 @@ class HybridParallelPlugin(HybridPluginBase):
             split.append(self._microbatches(b, limits))
             return len(split[0])
 
-        agree_on_batch(batch, limits, count, self.dp_rank, self.device)
+        with self.failure_guard.waiting():  # a frozen or failed peer ends this wait too, named
+            agree_on_batch(batch, limits, count, self.dp_rank, self.device)
         return split[0]
 
     def _microbatches(self, batch: Any, limits: BatchLimits) -> List[Dict[str, Any]]:

@@ -470,3 +470,45 @@ def test_failure_on_one_stage_ends_the_step_on_every_rank(tmp_path):
                      r"ValueError: criterion boom", err0), err0[-2000:]
     assert code1 == 0, (out1, err1[-2000:])
     assert "caught criterion boom" in out1 and "refused: The job cannot continue: rank 1 failed" in out1, out1
+
+
+FROZEN_RANK = """
+import os, signal, torch, torch.distributed as dist
+from booster_plugin import Booster, HybridParallelPlugin
+from tests import model_utils as mu
+torch.set_num_threads(1)
+booster = Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2))
+model, *_ = booster.boost(mu.build("llama_lm"))
+booster.execute_pipeline(iter([mu.make_batch("llama_lm", 4, 0)]), model, mu.criterion)  # a good step
+print("stepped", flush=True)
+if dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)  # frozen: no error, no closed connection
+booster.execute_pipeline(iter([mu.make_batch("llama_lm", 4, 1)]), model, mu.criterion)
+"""
+
+
+def test_frozen_rank_is_named_within_the_bound(tmp_path):
+    """Rank 1 stops (SIGSTOP) between steps: rank 0, waiting for it in the next step, stops within the bound
+    (HYBRID_PARALLEL_FROZEN_RANK_S, 4 s here) naming rank 1, instead of waiting out the 600 s timeout."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.dist_utils import _free_port
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "frozen.py"
+    script.write_text(FROZEN_RANK)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "HYBRID_PARALLEL_FROZEN_RANK_S": "4"}
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=root, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        out0, err0 = procs[0].communicate(timeout=120)
+    finally:
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].communicate()
+    assert "stepped" in out0 and procs[0].returncode == 1, (out0, err0[-2000:])
+    assert re.search(r"stopping: rank 1 stopped responding: no heartbeat for \d+ s while rank 0 waited", err0), \
+        err0[-2000:]

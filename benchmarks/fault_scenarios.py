@@ -378,6 +378,63 @@ SCENARIOS = [
         ok("ran")""",
       "TypeError on the last stage; the other stage ends too (RankFailure or exit 1)",
       {1: r"^TypeError: .*scalar", 0: r"^(RankFailure: |stopping: |exit 1).*rank 1"}),
+    S("29", "a frozen rank with the default timeout (600 s): rank 1 SIGSTOPs itself before a step (pp=2, "
+            "HYBRID_PARALLEL_FROZEN_RANK_S=20)", 2, f"""
+        os.environ["HYBRID_PARALLEL_FROZEN_RANK_S"] = "20"
+        booster, model, opt = boost({PP2})
+        train(booster, model, opt, batch())
+        fault()
+        if RANK == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        train(booster, model, opt, batch(seed=1))
+        ok("trained")""",
+      "rank 0 stops within ~20-30 s naming rank 1 as frozen (no heartbeat); the runner SIGKILLs rank 1",
+      {0: r"^stopping: rank 1 stopped responding", 1: r"killed by SIGKILL"}, within=60),
+    S("30", "GeminiPlugin (max_norm): an AdamW built after boost, stepped after booster.backward", 2, """
+        from booster_plugin import GeminiPlugin
+        booster = Booster(plugin=GeminiPlugin(max_norm=1.0))
+        model = mu.build("llama_lm")
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        rogue = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        b = batch("llama_lm")
+        booster.backward(model(**b).loss, opt)
+        rogue.step()
+        ok("the rogue optimizer stepped")""",
+      "RuntimeError 'did not go through booster.boost' on both ranks",
+      {-1: r"^RuntimeError: .*did not go through booster\.boost"}),
+    S("31", "TorchFSDPPlugin: `booster.backward(loss, optimizer)` with the optimizer that skipped boost", 2, """
+        from booster_plugin import TorchFSDPPlugin
+        booster = Booster(plugin=TorchFSDPPlugin())
+        model = mu.build("llama_lm")
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        rogue = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        b = batch("llama_lm")
+        booster.backward(model(**b).loss, rogue)
+        ok("backward ran")""",
+      "TypeError naming boost on both ranks", {-1: r"^TypeError: booster\.backward needs the optimizer"}),
+    S("32", "a truncated model.safetensors under LazyInitContext + from_pretrained", 2, """
+        from transformers import AutoModelForCausalLM
+        from booster_plugin.colossalai.lazy import LazyInitContext
+        path = os.path.join(DIR, "ckpt")
+        if RANK == 0:
+            torch.manual_seed(0)
+            mu.build("llama_lm").save_pretrained(path)
+            weights = os.path.join(path, "model.safetensors")
+            with open(weights, "r+b") as f:
+                f.truncate(100)
+        time.sleep(3)
+        with LazyInitContext():
+            AutoModelForCausalLM.from_pretrained(path)
+        ok("loaded")""",
+      "ValueError naming the file and 'download it again' on both ranks",
+      {-1: r"^ValueError: .*model\.safetensors is corrupted or truncated"}),
+    S("33", "ring attention (sp_size=2, tp=1) with sequence length 6 under execute_pipeline", 2, """
+        booster, model, opt = boost("llama_lm", sp_size=2, num_microbatches=2, enable_sequence_parallelism=True,
+                                    sequence_parallelism_mode="ring_attn")
+        step(booster, model, opt, {k: v[:, :6] for k, v in batch("llama_lm").items()})
+        ok("ran")""",
+      "ValueError naming sp_size=2 and the multiple 4 on both ranks",
+      {-1: r"^ValueError: .*not a multiple of 4: .*sp_size=2 ranks in 2 chunks each"}),
     S("28", "`python -m hp_check NoSuchModelForCausalLM --tp 1 --pp 2` (a model class that does not exist)", 1, "",
       "exit status 4 'ERROR ... could not run' (or report what it does)", {0: r"^exit 4 .*ERROR .*could not run"},
       command=("-m", "hp_check", "NoSuchModelForCausalLM", "--tp", "1", "--pp", "2", "--timeout", "120")),

@@ -94,9 +94,6 @@ class PipelineConfig:
               num_model_chunks: int, num_layers_per_stage: Union[Sequence[int], str, None], p2p_transport: str,
               enable_metadata_cache: bool, pp_schedule_costs: str, scheduler_nodes: Optional[Sequence[Sequence[Any]]],
               trace: Optional[bool], loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]]) -> "PipelineConfig":
-        if num_microbatches is not None and microbatch_size is not None:
-            raise ValueError(f"Give at most one of num_microbatches={num_microbatches} and "
-                             f"microbatch_size={microbatch_size}.")
         if num_microbatches is not None:
             check_int("num_microbatches", num_microbatches, 1)
         if microbatch_size is not None:

@@ -33,7 +33,12 @@ def split_batch(batch: Mapping[str, Any], num_microbatches: Optional[int], micro
     batch_size = next(iter(sizes.values()))
     if any(s != batch_size for s in sizes.values()):
         raise ValueError(f"All tensors of a batch must share dim 0 (the batch size); got {sizes}.")
-    if num_microbatches is None:
+    if num_microbatches is not None and microbatch_size is not None:  # both (as ColossalAI): they must agree
+        if batch_size != num_microbatches * microbatch_size:
+            raise ValueError(f"Batch size {batch_size} != num_microbatches={num_microbatches} * microbatch_size="
+                             f"{microbatch_size}: give batches of {num_microbatches * microbatch_size} samples, or "
+                             f"set only one of num_microbatches and microbatch_size.")
+    elif num_microbatches is None:
         if batch_size % microbatch_size:
             raise ValueError(f"Batch size {batch_size} is not divisible by microbatch_size={microbatch_size}.")
         num_microbatches = batch_size // microbatch_size
@@ -65,8 +70,8 @@ def default_num_microbatches(batch: Any, pp_size: int, style: ScheduleStyle, rag
 
 
 class MicrobatchSplit(NamedTuple):
-    """The plugin's microbatch setting: `num_microbatches`, or `microbatch_size` samples each, or (neither) each
-    batch's `default_num_microbatches` for `style` on `pp_size` pipeline ranks."""
+    """The plugin's microbatch setting: `num_microbatches`, or `microbatch_size` samples each (both: every batch
+    must hold their product), or (neither) each batch's `default_num_microbatches` for `style` on `pp_size` pipeline ranks."""
     num_microbatches: Optional[int]
     microbatch_size: Optional[int]
     style: ScheduleStyle

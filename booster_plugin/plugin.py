@@ -51,7 +51,8 @@ class HybridParallelPlugin(HybridPluginBase):
             moe_dp. See MoeHybridParallelPlugin for ColossalAI's MoE arguments.
         dp_outside: the rank order of the mesh, as ColossalAI's: data-parallel replicas outermost (default; ranks
             (dp, pp, ep, tp), tp innermost) or, False, pipeline stages outermost (pp, dp, ep, tp).
-        num_microbatches, microbatch_size: at most one; with pp_size > 1 and neither, each step picks the largest
+        num_microbatches, microbatch_size: either, or both when every batch holds their product (as ColossalAI,
+            checked at each step); with pp_size > 1 and neither, each step picks the largest
             divisor of its batch size in [pp_size, 4 * pp_size] as the number of microbatches.
         pp_style, num_model_chunks: "1f1b" (1 chunk per rank), "interleaved" (v >= 2 chunks in a loop), "zbv"
             (ColossalAI's zero-bubble V: 2 chunks, backward split into input and weight gradients) or "dualpipev"

@@ -35,6 +35,9 @@ def test_split_batch_checks_divisibility():
     assert [p["input_ids"].tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
     assert all(p["flag"] is True for p in parts)
     assert len(split_batch(batch, None, microbatch_size=2)) == 3
+    assert len(split_batch(batch, 3, microbatch_size=2)) == 3  # both, agreeing (as ColossalAI)
+    with pytest.raises(ValueError, match=r"Batch size 6 != num_microbatches=2 \* microbatch_size=2"):
+        split_batch(batch, 2, microbatch_size=2)
     with pytest.raises(ValueError, match="not divisible into num_microbatches=4"):
         split_batch(batch, num_microbatches=4, microbatch_size=None)
     with pytest.raises(ValueError, match="share dim 0"):
@@ -116,7 +119,8 @@ def _two_ranks(tmp_dir: str):
         mu.check_training(kind, pp_size=2, num_microbatches=4)
     mu.check_training("llama_lm", layers=5, pp_size=2, num_microbatches=2)
     mu.check_training("gpt2_lm", layers=5, pp_size=2, num_microbatches=4, num_layers_per_stage=[1, 4])
-    mu.check_training("gpt2_lm", pp_size=2, microbatch_size=2, max_norm=0.05)  # clipping on the global norm
+    # clipping on the global norm; both microbatch settings, agreeing with the batch (8 = 4 * 2), as ColossalAI
+    mu.check_training("gpt2_lm", pp_size=2, num_microbatches=4, microbatch_size=2, max_norm=0.05)
     mu.check_training("llama_lm", pp_size=2, num_microbatches=4, p2p_transport="broadcast")
     mu.check_training("llama_lm", pp_size=2, num_microbatches=2, enable_metadata_cache=False)
     for kind in ("gpt2_lm", "llama_lm", "llama"):

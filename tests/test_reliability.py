@@ -33,7 +33,6 @@ CONFIG_CASES = [
     (dict(pp_size=2, microbatch_size=-2), ValueError, "microbatch_size must be an integer >= 1, got -2"),
     (dict(pp_size=2, num_microbatches=0), ValueError, "num_microbatches must be an integer >= 1, got 0"),
     (dict(pp_size=2, num_microbatches=1), ValueError, "num_microbatches >= pp_size"),
-    (dict(pp_size=2, num_microbatches=2, microbatch_size=2), ValueError, "at most one of num_microbatches=2 and"),
     (dict(precision="fp64"), ValueError, "precision='fp64' is not supported; use one of"),
     (dict(zero_stage=3), ValueError, "zero_stage=3 is not supported; use 0, 1 or 2"),
     (dict(pp_style="gpipe"), ValueError, "Unknown pp_style 'gpipe'; use one of"),
@@ -166,6 +165,8 @@ GOOD = mu.make_batch("gpt2_lm", 4, 0)
 STEP_CASES = [
     (lambda: _step(dict(pp_size=2, num_microbatches=4), mu.make_batch("gpt2_lm", 6, 0)), ValueError,
      "Batch size 6 is not divisible into num_microbatches=4"),
+    (lambda: _step(dict(pp_size=2, num_microbatches=2, microbatch_size=2), mu.make_batch("gpt2_lm", 6, 0)),
+     ValueError, "Batch size 6 != num_microbatches=2 \\* microbatch_size=2: give batches of 4 samples"),
     (lambda: _step(dict(pp_size=2), mu.make_batch("gpt2_lm", 1, 0)), ValueError,
      "A batch of 1 samples cannot be split into 2 to 8 equal microbatches"),
     (lambda: _step(dict(pp_size=2, pp_style="dualpipev", num_model_chunks=2), mu.make_batch("gpt2_lm", 3, 0)),

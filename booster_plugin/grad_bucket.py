@@ -76,6 +76,10 @@ class GradBucket:
         self.used: List[bool] = [False] * len(params)
         self.ready: set = set()
         self.work: List[Any] = []
+        # ZeRO-2, accumulation without no_sync: the averaged slice of this step's earlier reductions, added to the
+        # next one's (as ColossalAI's ZeRO-2 adds each reduction into its partitioned gradient store)
+        self.carried: Optional[torch.Tensor] = None
+        self.carried_used: List[bool] = []
 
     def _new_buffer(self) -> torch.Tensor:
         return torch.zeros(self.padded + len(self.params), dtype=self.dtype, device=self.device)
@@ -152,11 +156,26 @@ class GradBucket:
         rank = self.axis.rank
         return self.buffer[rank * self.shard_numel:(rank + 1) * self.shard_numel]
 
+    def carry(self) -> None:
+        """ZeRO-2: a further backward accumulates into reduced gradients; keep their slice aside for add_carried
+        (ZeRO-0/1 need nothing: `p.grad` keeps the average, identical on every replica, and reducing `average +
+        local` again gives `average + mean(local)`, as torch DDP)."""
+        if self.scatter and self.shard is not None:
+            self.carried, self.carried_used, self.shard = self.shard, self.used, None
+
+    def add_carried(self) -> None:
+        """ZeRO-2, after this reduction: add the carried slice of the step's earlier backwards."""
+        if self.carried is not None:
+            self.shard.add_(self.carried)
+            self.used = [a or b for a, b in zip(self.used, self.carried_used)]
+            self.carried = None
+
     def reset(self) -> None:
         """Drop a launched reduction and the gradients of a discarded step."""
         for work in self.work:
             work.wait()
         self.work = []
         self.ready.clear()
+        self.carried = None
         if self.scatter:
             self.buffer = self.shard = None

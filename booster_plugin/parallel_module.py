@@ -64,6 +64,7 @@ class HybridParallelModule(nn.Module):
         # holds the averaged gradients, final as after one process's backward
         self._grads_synced = False
         self._sync_queued = False  # pp == 1: sync_grads is queued to run when the running backward pass ends
+        self._carried_shared: List[Tuple[nn.Parameter, torch.Tensor]] = []  # reopen_grads: tied sums set aside
         self._forwards = 0  # pp == 1, dp > 1: forwards with gradients since the last reduction (replicas compare)
         self._buckets: List[GradBucket] = []
         if self.dp_size > 1:
@@ -151,10 +152,12 @@ class HybridParallelModule(nn.Module):
             if module is None:
                 return
             bucket = module._buckets[bucket_index]
-            if module._grads_synced or bucket.launched:
-                raise RuntimeError("A second backward pass reached gradients whose data-parallel reduction already "
-                                   "started. To accumulate gradients, run all but the last backward inside "
-                                   "`with booster.no_sync(model):`, or call optimizer.step()/zero_grad() between.")
+            if module._grads_synced:  # accumulation without no_sync (pp == 1): this backward reduces its part too
+                module.reopen_grads()
+            if bucket.launched:
+                raise RuntimeError("A backward pass reached gradients whose data-parallel reduction is still running "
+                                   "(a gradient produced after its bucket was launched). Let the backward that "
+                                   "launched it end (its reduction finishes there), or call optimizer.zero_grad().")
             if not module.require_grad_sync:
                 return
             if module.pp_group is None and not module._sync_queued:  # with a pipeline, execute_pipeline ends it
@@ -177,7 +180,25 @@ class HybridParallelModule(nn.Module):
         for bucket in self._buckets:
             bucket.reset()
         self._grads_synced = False
+        self._carried_shared = []
         super().zero_grad(set_to_none=set_to_none)
+
+    def reopen_grads(self) -> None:
+        """A backward (pp == 1) or execute_pipeline reaches gradients already reduced, without optimizer.step() or
+        zero_grad() between: gradient accumulation without no_sync, as torch DDP and ColossalAI allow. Its own
+        reduction then adds the mean over dp of the new contributions: ZeRO-0/1 reduce `p.grad` (the average, equal
+        on every replica, plus the new local part) again; ZeRO-2 keeps the reduced slices aside (carry); gradients
+        summed over stages (tied weights) are set aside and added back after the next sum."""
+        if not self._grads_synced:
+            return
+        self._grads_synced = False
+        for bucket in self._buckets:
+            bucket.carry()
+        if self.zero_stage < 2:
+            # (a copy: `p.grad` is a view of its bucket, which the next reduction overwrites)
+            self._carried_shared = [(p, p.grad.clone()) for p, _, _ in self.shared_params if p.grad is not None]
+            for p, _ in self._carried_shared:
+                p.grad = None
 
     def grads_stepped(self) -> None:
         """The optimizer stepped the synced gradients: a later backward accumulates into them and reduces again."""
@@ -237,6 +258,17 @@ class HybridParallelModule(nn.Module):
         with self.failure_guard.step("gradient reduction") if self.failure_guard is not None else \
                 contextlib.nullcontext():
             self._sync_grads()
+        self._add_carried()
+
+    def _add_carried(self) -> None:
+        """Accumulation without no_sync: add what reopen_grads set aside to this reduction's gradients."""
+        for bucket in self._buckets:
+            bucket.add_carried()
+        for p, grad in self._carried_shared:
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
+            if self.zero_stage:
+                self.bucket_of(p).used = [True]
+        self._carried_shared = []
 
     def _sync_grads(self) -> None:
         for bucket in self._buckets:

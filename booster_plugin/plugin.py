@@ -290,10 +290,8 @@ class HybridParallelPlugin(HybridPluginBase):
             check_batch_content(batch, model.batch_limits)
         if self.config.pipeline.loss_weight_fn is not None and criterion is not None:
             criterion = without_empty_microbatches(criterion, self.config.pipeline.loss_weight_fn)
-        if trains and model.grads_synced:  # every rank alike: they ran the same calls
-            raise RuntimeError("This step's gradients were already reduced by an earlier execute_pipeline: call "
-                               "optimizer.step()/zero_grad() first, or run all but the last accumulation step inside "
-                               "`with booster.no_sync(model):`.")
+        if trains:  # accumulation over calls without no_sync (as ColossalAI): this call reduces its part too
+            model.reopen_grads()
         # a failure ends the step on every rank; evaluation runs forwards only, as under torch.no_grad()
         with self.failure_guard.step("execute_pipeline"), batch_agreed(), running_step(self._stage_manager), \
                 torch.set_grad_enabled(trains):

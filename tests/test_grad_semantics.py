@@ -1,7 +1,8 @@
 """`p.grad` is final when the backward returns (booster.backward, a plain loss.backward(), execute_pipeline), as in
 one process and torch DDP: a script's changes to the gradients before optimizer.step() take effect in every layout
 and ZeRO stage that keeps `p.grad`; ZeRO-2 (no `p.grad`) refuses a gradient set by the script. An optimizer that
-did not go through `boost` is refused at its step."""
+did not go through `boost` is refused at its step. Backward passes repeated without no_sync accumulate (as torch
+DDP)."""
 import copy
 
 import pytest
@@ -131,6 +132,34 @@ def _check_replicas_out_of_step_are_refused():
     opt.zero_grad()
 
 
+def _check_repeated_backward(kind, k=2, **plugin_kwargs):
+    """Accumulation without no_sync, as torch DDP and ColossalAI: k booster.backward calls, each reducing its own
+    part, then one step: the sum of the k per-batch mean-over-dp gradients and AdamW's parameters of one process."""
+    plugin = HybridParallelPlugin(**plugin_kwargs)
+    booster = Booster(plugin=plugin)
+    reference = mu.build(kind)
+    model = copy.deepcopy(reference)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6))
+    dp, tp = plugin.dp_size, plugin.tp_group if plugin.tp_size > 1 else None
+    for c in range(k):
+        batch = mu.make_batch(kind, LOCAL * dp, seed=20 + c)
+        parts = [{n: v[r * LOCAL:(r + 1) * LOCAL] for n, v in batch.items()} for r in range(dp)]
+        torch.stack([mu.criterion(reference(**part), part) for part in parts]).mean().backward()
+        mine = parts[plugin.dp_rank]
+        booster.backward(mu.criterion(model(**mine), mine), opt)
+    for name, p in model.unwrap().named_parameters():
+        if plugin.zero_stage < 2:  # (ZeRO-2: only the slices exist)
+            mu.assert_close(mu.gathered(p, p.grad, tp), reference.get_parameter(name).grad,
+                            f"{plugin_kwargs}: grad of {name} after {k} backwards")
+    opt.step()
+    ref_opt.step()
+    for name, p in model.unwrap().named_parameters():
+        mu.assert_close(mu.gathered(p, p.data, tp), reference.get_parameter(name).data,
+                        f"{plugin_kwargs}: {name} after AdamW on {k} accumulated backwards")
+    opt.zero_grad()
+
+
 def _four_ranks():
     _check_changes_take_effect("llama_lm")  # dp=4
     _check_changes_take_effect("gpt2_lm", pp_size=2, num_microbatches=2)  # dp=2, tied embedding over stages
@@ -141,6 +170,8 @@ def _four_ranks():
     _check_zero2_refuses_a_set_gradient()
     _check_optimizer_not_boosted_is_refused()
     _check_replicas_out_of_step_are_refused()
+    for zero_stage in (0, 1, 2):  # dp=2
+        _check_repeated_backward("llama_lm", k=2 + (zero_stage == 2), tp_size=2, zero_stage=zero_stage)
 
 
 def test_gradient_semantics_four_ranks():

@@ -1,6 +1,7 @@
 """LowLevelZeroPlugin(stage=1, 2) and TorchDDPPlugin: a ColossalAI training loop (gradient accumulation under
 `booster.no_sync`, and without it) equals one process on the global batch, their HF checkpoints load with
-`from_pretrained` and into the boosted model, TorchDDPPlugin's optimizer checkpoint restores the optimizer state (2 ranks)."""
+`from_pretrained` and into the boosted model, TorchDDPPlugin's optimizer checkpoint restores the optimizer state
+(2 ranks)."""
 import contextlib
 import copy
 import os

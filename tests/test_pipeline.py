@@ -324,7 +324,8 @@ def _check_pipeline_accumulation(kind: str, k: int = 2, no_sync: bool = True, **
             continue
         mu.assert_close(mu.gathered(p, p.grad, tp_group), ref.grad, f"accumulated grad of {name} ({whole['input_ids'].shape[0]} samples)")
     for name, p in model.unwrap().named_parameters():
-        mu.assert_close(mu.gathered(p, p.data, tp_group), reference.get_parameter(name).data, f"param {name} after AdamW")
+        mu.assert_close(mu.gathered(p, p.data, tp_group), reference.get_parameter(name).data,
+                        f"param {name} after AdamW")
 
 
 def _check_gradient_accumulation_with_no_sync():

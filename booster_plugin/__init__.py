@@ -1,5 +1,6 @@
 """Booster and its plugins (HybridParallelPlugin, MoeHybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin): compose pipeline and
 shardformer for training."""
+from . import clean_exit  # noqa: F401  (first: its atexit hook then runs after those of the modules below)
 from .activation_checkpoint import GradientCheckpointConfig
 from .booster import Booster
 from .fsdp import GeminiPlugin, TorchFSDPPlugin

@@ -3,6 +3,7 @@ shardformer for training. `world_group()`: every rank in a group that carries CP
 script's world group has (`init_process_group("nccl")` has none for the CPU)."""
 from pipeline.groups import world_group
 
+from . import clean_exit  # noqa: F401  (first: its atexit hook then runs after those of the modules below)
 from .activation_checkpoint import GradientCheckpointConfig
 from .booster import Booster
 from .fsdp import GeminiPlugin, TorchFSDPPlugin

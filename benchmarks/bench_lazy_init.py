@@ -1,13 +1,22 @@
 """Lazy init: peak host memory of one rank of a 7B-class Llama (bf16) sharded tp=2 x pp=4, versus its shard.
 
-8 gloo ranks (one process each) build the model on the meta device (no memory) and shard it with the plugin's own
+8 gloo ranks (one process each) build the model on the meta device (no memory; after the warm-up build of a tiny
+model, so that the modules a build imports are in the baseline) and shard it with the plugin's own
 mesh, groups and Sharder. Only the two tp ranks of the measured stages materialize (`Sharder.materialize`, the
 step `HybridParallelPlugin.configure` runs: allocate this rank's shard, HF `_init_weights` on it, broadcast
 replicated tensors over tp); the others stay on meta, so the machine never holds more than those shards. Each
 measured rank reports its peak RSS (VmHWM, and ru_maxrss) minus its RSS after imports and process-group setup,
 against the bytes of its shard. Target: <= 1.3x.
 
-    python benchmarks/bench_lazy_init.py [--stages 0 3]
+    python benchmarks/bench_lazy_init.py [--stages 0 3] [--context] [--small]
+
+`--context`: built as ColossalAI scripts build it, `with LazyInitContext(): AutoModelForCausalLM.from_config(config,
+dtype=bf16)`, so that each rank's shard is eager init's (the default): the construction draws every tensor once on a
+scratch tensor (to advance the RNG as eager init does), and materialization draws each tensor of the shard again,
+whole, one at a time, keeping its slice (largest first). The peak counts both. Without it, the model is built
+under `torch.device("meta")` and initialized per rank (what `LazyInitContext(per_rank_init=True)` does).
+`--small`: the 7B's tensors but 4 layers, tp=2 x pp=2 (2 layers per stage instead of 8: the embedding and head
+weigh more in a stage's shard), for a machine where every rank drawing a 7B model at construction takes too long.
 
 `--pretrained`: lazy `from_pretrained` (ColossalAI's `with LazyInitContext(): AutoModelForCausalLM.from_pretrained`)
 against the eager load, both boosted with tp=2 on 2 gloo ranks, on a ~670 MB fp32 Llama saved with save_pretrained.
@@ -16,7 +25,7 @@ Each mode runs in fresh processes; each rank reports its peak RSS during load + 
 that imports are not counted) minus its RSS then, against its shard's bytes. The lazy ranks read their shard from
 the safetensors slices; the eager ones load the whole model, then shard it.
 
-Not a test. Writes benchmarks/results/lazy_init.json (--pretrained: lazy_init_pretrained.json).
+Not a test. Writes benchmarks/results/lazy_init[_context][_small].json (--pretrained: lazy_init_pretrained.json).
 """
 from __future__ import annotations
 
@@ -35,6 +44,9 @@ sys.path.insert(0, ROOT)
 TP, PP = 2, 4
 CONFIG = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
               num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
+TINY = dict(CONFIG, vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4)
+SMALL, SMALL_PP = dict(CONFIG, num_hidden_layers=4), 2
 
 
 def _status_kb(field: str) -> int:
@@ -45,10 +57,24 @@ def _status_kb(field: str) -> int:
     raise KeyError(field)
 
 
-def _worker(rank: int, world: int, port: int, stages, queue) -> None:
+def _build(config_kwargs: dict, context: bool):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from booster_plugin.compat import LazyInitContext
+
+    config = LlamaConfig(**config_kwargs)
+    if context:
+        with LazyInitContext():
+            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return model.to(torch.bfloat16)  # free on meta
+
+
+def _worker(rank: int, world: int, port: int, stages, config: dict, pp: int, context: bool, queue) -> None:
     import torch
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from booster_plugin import HybridParallelPlugin
     from shardformer.policies import get_autopolicy
@@ -59,17 +85,16 @@ def _worker(rank: int, world: int, port: int, stages, queue) -> None:
                       LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        plugin = HybridParallelPlugin(tp_size=TP, pp_size=PP, num_microbatches=PP, precision="bf16")
+        plugin = HybridParallelPlugin(tp_size=TP, pp_size=pp, num_microbatches=pp, precision="bf16")
         stage, tp_rank = plugin.stage, plugin.tp_rank
         measured = stage in stages
+        _build(TINY, context)  # warm-up: the modules a build imports are in the baseline
         baseline_kb = _status_kb("VmRSS")
         baseline_maxrss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
         t0 = time.perf_counter()
-        config = LlamaConfig(**CONFIG)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-        model.to(torch.bfloat16)  # free on meta
+        model = _build(config, context)
+        t_build = time.perf_counter() - t0
         full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # what configure() does up to materialization, with the plugin's own groups
         shard_config = ShardConfig(tensor_parallel_process_group=plugin.tp_group,
@@ -97,7 +122,8 @@ def _worker(rank: int, world: int, port: int, stages, queue) -> None:
                 "ru_maxrss_minus_baseline_bytes": (maxrss_kb - baseline_maxrss_kb) * 1024,
                 "ratio_vmhwm": (peak_kb - baseline_kb) * 1024 / shard_bytes,
                 "ratio_ru_maxrss": (maxrss_kb - baseline_maxrss_kb) * 1024 / shard_bytes,
-                "shard_seconds": round(t_shard, 2), "materialize_init_seconds": round(t_mat, 2),
+                "build_seconds": round(t_build, 2), "shard_seconds": round(t_shard, 2),
+                "materialize_init_seconds": round(t_mat, 2),
             }
             queue.put(result)
         dist.barrier()
@@ -228,38 +254,46 @@ def _spawn(target, world: int, *args) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, PP - 1],
+    parser.add_argument("--stages", type=int, nargs="+", default=None,
                         help="pipeline stages whose ranks materialize and are measured (default: first and last)")
+    parser.add_argument("--context", action="store_true", help="build under LazyInitContext: eager init's weights")
+    parser.add_argument("--small", action="store_true", help="a smaller shape (see the module docstring)")
     parser.add_argument("--pretrained", action="store_true",
                         help="lazy from_pretrained vs eager load, tp=2 on 2 ranks (see the module docstring)")
     args = parser.parse_args()
     if args.pretrained:
         _run_pretrained()
         return
-    rows = _spawn(_worker, TP * PP, tuple(args.stages))
+    config, pp = (SMALL, SMALL_PP) if args.small else (CONFIG, PP)
+    stages = args.stages if args.stages is not None else [0, pp - 1]
+    rows = _spawn(_worker, TP * pp, tuple(stages), config, pp, args.context)
 
     gib = 1024 ** 3
-    print(f"Llama 7B-class (hidden 4096, 32 layers, vocab 32000), bf16, tp={TP} x pp={PP}; "
+    init = "LazyInitContext: eager init" if args.context else "meta: per-rank init"
+    print(f"Llama (hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+          f"vocab {config['vocab_size']}), bf16, tp={TP} x pp={pp}, {init}; "
           f"full model {rows[0]['full_model_bytes'] / gib:.2f} GiB")
     header = (f"{'rank':>4} {'stage':>5} {'tp':>2} {'layers':>8} {'shard GiB':>9} {'peak-base GiB':>13} "
-              f"{'ratio':>6} {'ru_maxrss ratio':>15} {'init s':>6}")
+              f"{'ratio':>6} {'ru_maxrss ratio':>15} {'build s':>7} {'init s':>6}")
     print(header)
     print("-" * len(header))
     for r in rows:
         layers = f"{r['layers'][0]}-{r['layers'][-1]}"
         print(f"{r['rank']:>4} {r['stage']:>5} {r['tp_rank']:>2} {layers:>8} {r['shard_bytes'] / gib:>9.3f} "
               f"{r['peak_minus_baseline_bytes'] / gib:>13.3f} {r['ratio_vmhwm']:>6.3f} {r['ratio_ru_maxrss']:>15.3f} "
-              f"{r['materialize_init_seconds']:>6.1f}")
+              f"{r['build_seconds']:>7.1f} {r['materialize_init_seconds']:>6.1f}")
     worst = max(r["ratio_vmhwm"] for r in rows)
     print(f"worst peak / shard: {worst:.3f}x (target <= 1.3x): {'OK' if worst <= 1.3 else 'MISSED'}")
     import torch
     import transformers
-    out = {"benchmark": "lazy_init", "model": CONFIG, "dtype": "bfloat16", "tp_size": TP, "pp_size": PP,
-           "measured_stages": args.stages, "target_ratio": 1.3, "worst_ratio": worst, "ranks": rows,
+    name = "lazy_init" + ("_context" if args.context else "") + ("_small" if args.small else "")
+    out = {"benchmark": name, "model": config, "dtype": "bfloat16", "tp_size": TP, "pp_size": pp,
+           "init": "eager (LazyInitContext)" if args.context else "per rank (meta device)",
+           "measured_stages": stages, "target_ratio": 1.3, "worst_ratio": worst, "ranks": rows,
            "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                            "cpu_count": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}}
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    path = os.path.join(ROOT, "benchmarks", "results", "lazy_init.json")
+    path = os.path.join(ROOT, "benchmarks", "results", f"{name}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
     print(f"wrote {path}")

@@ -1,35 +1,41 @@
 """Where a lazily built model's weights come from: the seam between whoever built the model without its weights
-(booster_plugin/lazy: `from_pretrained` under `LazyInitContext`) and `materialize`, which allocates what is still
-on the meta device (after sharding: this rank's shard only).
+(booster_plugin/lazy: `from_pretrained` or a model built from a config under `LazyInitContext`) and `materialize`,
+which allocates what is still on the meta device (after sharding: this rank's shard only).
 
 A model may carry a `WeightSources` (attached with `attach_sources`): for each parameter or buffer name it can fill
-with checkpoint values, `fill` copies this rank's shard of that tensor into a freshly allocated one. Names it does
-not hold are initialized by the model's own init (materialize.py), as missing keys are by `from_pretrained`.
+(with checkpoint values, or eager init's), `fill` copies this rank's shard of that tensor into a freshly allocated
+one. Names it does not hold are initialized by the model's own init, per rank (materialize.py), as missing keys of
+`from_pretrained` are.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Protocol, Sequence
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 from torch import Tensor, nn
 
 from .layer.spec import TPSpec
 
-__all__ = ["WeightSources", "attach_sources", "sources_of", "detach_sources", "tensor_names", "DEVICE_TAG"]
+__all__ = ["WeightSources", "attach_sources", "sources_of", "detach_sources", "tensor_names", "DEVICE_TAG",
+           "EXPERT_ROWS"]
 
 _ATTR = "_lazy_weight_sources"
 DEVICE_TAG = "_lazy_device"  # on a meta tensor: the device LazyInitContext(default_device=...) materializes it on
+# on stacked expert weights split over expert parallelism: (first expert, count) of the full tensor's dim 0 it holds
+EXPERT_ROWS = "_lazy_expert_rows"
 
 
 class WeightSources(Protocol):
     """Checkpoint values of a lazily built model, by unsharded parameter / buffer name."""
 
     def find(self, names: Sequence[str]) -> Optional[str]:
-        """The first of `names` (all names of one tensor: tied weights have several) that comes from the checkpoint;
-        None when the tensor comes from the model's own init."""
+        """The first of `names` (all names of one tensor: tied weights have several) that the sources hold; None when
+        the tensor is left to the model's own init, per rank."""
 
-    def fill(self, name: str, dst: Tensor, spec: Optional[TPSpec], rank: int, world: int) -> None:
-        """Copy `rank`'s shard (`spec` over `world` ranks; the whole tensor when `spec` is None) of the checkpoint
-        tensor of `name` into `dst` (the shard's shape, any dtype and device), reading only the shard's bytes."""
+    def fill(self, name: str, dst: Tensor, spec: Optional[TPSpec], rank: int, world: int,
+             experts: Optional[Tuple[int, int]] = None) -> None:
+        """Copy `rank`'s shard (`spec` over `world` ranks; the whole tensor when `spec` is None) of the tensor of
+        `name` into `dst` (the shard's shape, any dtype and device; a checkpoint reads only the shard's bytes).
+        `experts`: the (first, count) entries of dim 0 this rank holds besides (expert parallelism)."""
 
 
 def attach_sources(model: nn.Module, sources: WeightSources) -> None:

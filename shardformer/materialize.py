@@ -1,7 +1,9 @@
 """Lazy initialization: a model built under `torch.device("meta")` costs no memory; after sharding only this rank's
-shard is left, so allocating it then keeps the peak near the shard's size. A model loaded lazily (`from_pretrained`
-under `LazyInitContext`) carries its checkpoint's `WeightSources` (lazy_sources.py): those tensors are read from the
-checkpoint, this rank's slice only, the others initialized as `from_pretrained` initializes missing keys."""
+shard is left, so allocating it then keeps the peak near the shard's size. A model built under `LazyInitContext`
+carries `WeightSources` (lazy_sources.py): loaded lazily (`from_pretrained`), its checkpoint's tensors are read, this
+rank's slice only, the others initialized as `from_pretrained` initializes missing keys; built from a config, every
+tensor is eager init's, drawn again whole and sliced. A model built on meta without the context (or with
+`per_rank_init=True`) gets per-rank draws of its own init."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +19,7 @@ from .layer.embedding import VocabParallelEmbedding
 from .layer.linear import ColumnParallelLinear, RowParallelLinear
 from .layer.replicated import sum_grad_over_tp
 from .layer.spec import get_tp_spec, zero_padding
-from .lazy_sources import DEVICE_TAG, WeightSources, detach_sources, sources_of, tensor_names
+from .lazy_sources import DEVICE_TAG, EXPERT_ROWS, WeightSources, detach_sources, sources_of, tensor_names
 
 __all__ = ["materialize"]
 
@@ -26,13 +28,13 @@ __all__ = ["materialize"]
 def materialize(model: nn.Module, device, group: Optional[ProcessGroup], stage: int, init: bool = True) -> int:
     """Allocate the meta parameters and buffers `model` still holds (after sharding) on `device`.
 
-    With `init`, the new tensors are initialized with the model's own `_init_weights` (HF's scheme; tensor-parallel
-    layers through a native-class view of their shard, vocab padding zeroed; buffers such as rotary `inv_freq`
-    recomputed), drawn per pipeline `stage` and rank of the tp `group`. Replicated parameters differ between tp ranks
-    here: the plugin's `sync_params` then broadcasts them over tp (and everything over dp). Non-meta tensors are left
-    untouched. Tensors the model's `WeightSources` hold are filled from the checkpoint instead (after the init, which
-    leaves them alone), and the sources are dropped. Returns the number of bytes allocated; 0 when nothing was on
-    meta.
+    Tensors the model's `WeightSources` hold are filled from them (this rank's slice of the checkpoint tensor, or of
+    eager init's), and the sources are dropped. With `init`, the other new tensors are initialized with the model's
+    own `_init_weights` (HF's scheme; tensor-parallel layers through a native-class view of their shard, vocab
+    padding zeroed; buffers such as rotary `inv_freq` recomputed), drawn per pipeline `stage` and rank of the tp
+    `group` (not eager init's draws): replicated parameters differ between tp ranks here, and the plugin's
+    `sync_params` then broadcasts them over tp (and everything over dp). Non-meta tensors are left untouched. Returns
+    the number of bytes allocated; 0 when nothing was on meta.
     """
     device = torch.device(device)
     sources = sources_of(model)
@@ -65,11 +67,12 @@ def materialize(model: nn.Module, device, group: Optional[ProcessGroup], stage: 
 
 
 def _fill(sources: WeightSources, targets: Sequence[Tuple[str, torch.Tensor]], group: Optional[ProcessGroup]) -> None:
-    """This rank's shard of each checkpoint tensor, read into its new tensor (vocab padding zeroed)."""
+    """This rank's shard of each source tensor, filled into its new tensor (vocab padding zeroed); the largest
+    first (a source may hold a full tensor meanwhile: largest while little of the shard is written)."""
     rank = dist.get_rank(group) if group is not None else 0
     world = dist.get_world_size(group) if group is not None else 1
-    for name, t in targets:
-        sources.fill(name, t.data, get_tp_spec(t), rank, world)
+    for name, t in sorted(targets, key=lambda target: -target[1].numel()):
+        sources.fill(name, t.data, get_tp_spec(t), rank, world, getattr(t, EXPERT_ROWS, None))
 
 
 def _allocated(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -78,6 +78,9 @@ def _four_ranks():
                       num_microbatches=4)
     from tests.test_lora import _train_like_peft
     _train_like_peft("qwen3moe_lm", steps=1, ep_size=2, tp_size=2)
+    from tests.test_lazy_pretrained import check_from_config
+    check_from_config(2, 2)  # lazy init from a config: eager init's weights at tp=2 x pp=2, and with experts over ep
+    check_from_config(2, 1, ep_size=2)
 
 
 def test_expert_parallel_four_ranks():

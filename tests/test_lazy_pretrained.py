@@ -5,13 +5,18 @@ from the safetensors slices (or initializes it), and `LazyInitContext.materializ
 Checked against the model loaded normally: (a) tp=2 and pp=2 on 2 ranks, the parameters equal the eager model's
 shards bit for bit and one training step equals the eager model's; (b) without a plugin, the materialized model
 equals `from_pretrained`'s (dtype argument, missing keys, keyword config overrides, buffers); (c) tied embeddings
-stay tied, before and after boost."""
+stay tied, before and after boost; (d) from a config (`Model(config)`, `from_config`), lazy init equals eager init
+under the same seed, bit for bit, on every rank and layout (tp=2, pp=2 here; tp=2 x pp=2 in
+tests/test_expert_parallel.py), leaves the script's RNG where eager init leaves it, and the first loss equals one
+process's."""
 import copy
 
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaModel
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaModel, MixtralConfig
+
+from hp_check.tiny import tiny_config
 
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.colossalai.lazy import LazyInitContext
@@ -155,7 +160,110 @@ def _check_layout(path: str, tp: int, pp: int, tied: bool) -> None:
         mu.assert_close(p, q, f"{what}: {name} after a step")
 
 
+# -- (d) from a config: eager init's draws, each rank its slice ------------------------------------------------------
+def _mixtral():
+    """A tiny Mixtral from its config (39 tensors: attention, router, fused experts, norms, embedding, head)."""
+    return AutoModelForCausalLM.from_config(tiny_config(MixtralConfig, num_local_experts=4, num_experts_per_tok=2))
+
+
+def _eager_and_lazy(build, seed: int = 11, **context):
+    """(built eagerly, built under LazyInitContext) from the same seed; the RNG is left as eager init leaves it."""
+    torch.manual_seed(seed)
+    reference = build()
+    after = torch.get_rng_state()
+    torch.manual_seed(seed)
+    with LazyInitContext(**context):
+        model = build()
+    assert all(t.is_meta for t in (*model.parameters(), *model.buffers())), "lazy init allocated weights"
+    assert torch.equal(torch.get_rng_state(), after) or context, "the script's RNG differs from eager init's after it"
+    return reference, model
+
+
+def test_from_config_equals_eager_init():
+    reference, model = _eager_and_lazy(_mixtral)
+    rng = torch.get_rng_state()
+    LazyInitContext.materialize(model)
+    assert torch.equal(torch.get_rng_state(), rng), "materialize moved the script's RNG"
+    _assert_same(model, reference, "Mixtral from_config")
+
+
+class _TorchInits(torch.nn.Module):
+    """torch's init functions that return at once on meta (trunc_normal_, orthogonal_, sparse_), a generator of the
+    script's, factories with data (also onto a parameter's device) or draws, in-place edits of views, a dtype cast,
+    torch's own modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = torch.nn.Embedding(10, 6, padding_idx=2), torch.nn.Linear(6, 6)
+        self.mha, self.conv = torch.nn.MultiheadAttention(6, 2), torch.nn.Conv1d(3, 4, 3)
+        self.a, self.b, self.c = (torch.nn.Parameter(torch.empty(*shape)) for shape in ((4, 6), (5, 3), (6, 4)))
+        torch.nn.init.trunc_normal_(self.a, std=0.5)
+        torch.nn.init.orthogonal_(self.b)
+        torch.nn.init.sparse_(self.c, 0.5)
+        self.d = torch.nn.Parameter(torch.randn(3, 3))
+        self.e = torch.nn.Parameter(torch.empty(7))
+        torch.nn.init.normal_(self.e, generator=torch.Generator().manual_seed(5))
+        self.register_buffer("k", torch.tensor([1.5, 2.5, 3.5]))
+        self.register_buffer("r", torch.arange(6).float().reciprocal() * 2)
+        with torch.no_grad():
+            self.lin.weight[0].mul_(3)
+            self.lin.bias.copy_(self.r)
+            self.lin.bias[:2].copy_(torch.tensor([0.5, 1.5], device=self.lin.bias.device))  # (meta, in the context)
+            self.emb.weight[3:5] = self.d[:2, :1]
+        self.half = torch.nn.Linear(3, 3).to(torch.bfloat16)
+
+
+def test_torch_init_functions_recorded():
+    reference, model = _eager_and_lazy(_TorchInits)
+    rng = torch.get_rng_state()
+    LazyInitContext.materialize(model)
+    assert torch.equal(torch.get_rng_state(), rng), "materialize moved the script's RNG"
+    _assert_same(model, reference, "torch init functions")
+
+
+def test_per_rank_init_opt_in():
+    """Faster, and says so: each rank's own draws (not eager init's); the script's RNG is not advanced."""
+    reference, model = _eager_and_lazy(_mixtral, per_rank_init=True)
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(11).get_state())
+    LazyInitContext.materialize(model)
+    head = model.lm_head.weight
+    assert torch.isfinite(head).all() and not torch.equal(head, reference.lm_head.weight)
+
+
+def check_from_config(tp: int, pp: int, **plugin) -> None:
+    """Boosted at (tp, pp): every parameter's shard is eager init's slice, bit for bit; the first loss is one
+    process's. Collective."""
+    what = f"from_config tp{tp} pp{pp} {plugin}"
+    reference, lazy = _eager_and_lazy(_mixtral)
+    rng = torch.get_rng_state()
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=tp, pp_size=pp, num_microbatches=2 if pp > 1 else None,
+                                                  **plugin))
+    model, optimizer, *_ = booster.boost(lazy, torch.optim.AdamW(lazy.parameters(), lr=1e-3))
+    assert torch.equal(torch.get_rng_state(), rng), f"{what}: boost moved the script's RNG"
+    group = booster.plugin.tp_group if tp > 1 else None
+    experts = model.info.expert_params
+    ep_group = booster.plugin.ctx.ep.group if experts else None
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    for name, p in model.unwrap().named_parameters():
+        full = mu.gathered(p, p.data, group, ep_group if name in experts else None)
+        assert torch.equal(full.cpu(), ref_params[name]), f"{what}: {name} differs from eager init"
+    ref_buffers = dict(reference.named_buffers())
+    for name, b in model.unwrap().named_buffers():  # (a released stage leaves a placeholder buffer)
+        assert name not in ref_buffers or torch.equal(b.cpu(), ref_buffers[name]), f"{what}: buffer {name} differs"
+    model.train()
+    batch = mu.on_device(mu.make_batch("llama_lm", 4, seed=3))
+    if pp > 1:
+        loss = booster.execute_pipeline(iter([batch]), model, mu.criterion, optimizer, return_loss=True)["loss"]
+    else:
+        loss = mu.criterion(model(**batch), batch)
+    if loss is not None:  # (pp: the last stage)
+        mu.assert_close(loss.detach().cpu(), mu.microbatch_mean_loss(reference.train(), batch, 2 if pp > 1 else 4),
+                        f"{what}: first loss")
+
+
 def _layouts(paths) -> None:
+    check_from_config(2, 1)
+    check_from_config(1, 2)
     _check_layout(paths["untied"], 2, 1, tied=False)
     _check_layout(paths["tied"], 2, 1, tied=True)
     _check_layout(paths["tied"], 1, 2, tied=True)  # the tied embedding and head on different stages

@@ -6,9 +6,11 @@
 
 Inside, every tensor is built on the meta device (no memory). `from_pretrained` keeps its semantics (config, dtype,
 tied weights, missing keys initialized, `eval()`) but remembers where each weight comes from instead of reading it
-(pretrained.py). `boost` materializes this rank's shard of each tensor (shardformer/materialize.py): read from the
-safetensors slices it covers, or initialized by the model's `_init_weights`. Without a plugin,
-`LazyInitContext.materialize(model)` materializes the whole model.
+(pretrained.py). A model built from a config is initialized as eager init would (record.py): its init is recorded,
+random draws included, and the script's RNG is left where eager init leaves it. `boost` materializes this rank's
+shard of each tensor (shardformer/materialize.py): read from the safetensors slices it covers, or eager init's
+values, drawn again one full tensor at a time (the same weights on every layout as in one process). Without a
+plugin, `LazyInitContext.materialize(model)` materializes the whole model.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from shardformer.lazy_sources import DEVICE_TAG
 from shardformer.materialize import materialize as materialize_shard
 
 from .pretrained import lazy_loading
+from .record import Recorder, recording
 
 __all__ = ["LazyInitContext"]
 
@@ -36,13 +39,19 @@ class LazyInitContext:
         tensor_cls: accepted for compatibility (ColossalAI's is a test-only switch of its lazy tensor class).
         default_device: where `LazyInitContext.materialize` puts the tensors built inside (ColossalAI's meaning;
             default the CPU). `boost` materializes on the plugin's device whatever it is.
+        per_rank_init: a model built from a config is not recorded; `boost` initializes each rank's shard with the
+            model's `_init_weights`, drawn per pipeline stage and tp rank. Faster (no draws at construction, each
+            rank draws its shard only), but the weights then differ from eager init's, and between layouts; the
+            script's RNG is not advanced by the construction. Default False: eager init's weights.
     """
 
     _active: ClassVar[bool] = False
 
-    def __init__(self, tensor_cls: Any = None, default_device: Optional[Any] = None) -> None:
+    def __init__(self, tensor_cls: Any = None, default_device: Optional[Any] = None, *,
+                 per_rank_init: bool = False) -> None:
         self.tensor_cls = tensor_cls
         self.default_device = torch.device(default_device) if default_device is not None else None
+        self.per_rank_init = per_rank_init
         self._stack: Optional[contextlib.ExitStack] = None
 
     def __enter__(self) -> "LazyInitContext":
@@ -50,7 +59,8 @@ class LazyInitContext:
             raise RuntimeError("LazyInitContext is not reentrant")
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.device("meta"))
-            stack.enter_context(_lazy_from_pretrained(self.default_device))
+            recorder = None if self.per_rank_init else stack.enter_context(recording())
+            stack.enter_context(_lazy_from_pretrained(self.default_device, recorder))
             if self.default_device is not None:
                 stack.enter_context(_tagging(self.default_device))
             self._stack = stack.pop_all()
@@ -77,10 +87,10 @@ class LazyInitContext:
 
 
 @contextlib.contextmanager
-def _lazy_from_pretrained(device: Optional[torch.device]) -> Iterator[None]:
+def _lazy_from_pretrained(device: Optional[torch.device], recorder: Optional[Recorder]) -> Iterator[None]:
     """`PreTrainedModel.from_pretrained` (every model class and Auto class reaches it) loads lazily meanwhile.
     transformers refuses `from_pretrained` under a meta device context, and builds the model on meta itself: the
-    call runs under the CPU device context."""
+    call runs under the CPU device context, unrecorded (as eager, it draws nothing for the weights it loads)."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -90,7 +100,7 @@ def _lazy_from_pretrained(device: Optional[torch.device]) -> Iterator[None]:
 
     @functools.wraps(original.__func__)
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
-        with torch.device("cpu"), lazy_loading():
+        with torch.device("cpu"), lazy_loading(), (recorder.pause() if recorder else contextlib.nullcontext()):
             loaded = original.__func__(cls, *args, **kwargs)
         if device is not None:  # the model, or (model, loading info) with output_loading_info=True
             _tag_tree(loaded[0] if isinstance(loaded, tuple) else loaded, device)

@@ -1,7 +1,12 @@
-"""CheckpointSources: the `WeightSources` (shardformer/lazy_sources.py) of a model loaded lazily from safetensors
-files. Each tensor is read when it is materialized, this rank's slice only (`safe_open(...).get_slice`), straight
-into the tensor allocated for it; the file is opened for that read and closed after it, so the pages its mapping
-touched are released tensor by tensor and the rank's peak stays near its shard."""
+"""The `WeightSources` (shardformer/lazy_sources.py) of models built under LazyInitContext.
+
+CheckpointSources: a model loaded lazily from safetensors files. Each tensor is read when it is materialized, this
+rank's slice only (`safe_open(...).get_slice`), straight into the tensor allocated for it; the file is opened for
+that read and closed after it, so the pages its mapping touched are released tensor by tensor and the rank's peak
+stays near its shard.
+
+InitSources: a model built from a config. Each tensor is drawn again as eager init drew it (tape.py), whole, on the
+CPU; this rank's slice is copied and the rest dropped at once: one full tensor at a time besides the shard."""
 from __future__ import annotations
 
 import math
@@ -14,8 +19,9 @@ from shardformer.layer.spec import TPSpec, fill_shard, shard_ranges
 
 from ..checkpoint.format import SafetensorsFile
 from ..lora import checkpoint_key
+from .tape import Ref, Replay
 
-__all__ = ["TensorSource", "CheckpointSources", "same_values"]
+__all__ = ["TensorSource", "CheckpointSources", "InitSources", "same_values"]
 
 _COMPARE_BYTES = 64 * 1024 * 1024  # rows read at a time when comparing two checkpoint tensors
 
@@ -37,13 +43,13 @@ class CheckpointSources:
         return len(self.entries)
 
     def find(self, names: Sequence[str]) -> Optional[str]:
-        for name in names:
-            for candidate in (name, checkpoint_key(name)):
-                if candidate in self.entries:
-                    return candidate
-        return None
+        return _find(self.entries, names)
 
-    def fill(self, name: str, dst: Tensor, spec: Optional[TPSpec], rank: int, world: int) -> None:
+    def fill(self, name: str, dst: Tensor, spec: Optional[TPSpec], rank: int, world: int,
+             experts: Optional[Tuple[int, int]] = None) -> None:
+        if experts is not None:
+            raise NotImplementedError(f"{name!r} is split over expert parallelism: from_pretrained under "
+                                      f"LazyInitContext does not read expert slices; load it outside the context")
         source = self.entries[name]
         f = SafetensorsFile(source.path)
         try:
@@ -54,13 +60,52 @@ class CheckpointSources:
                 raise ValueError(
                     f"{source.path}: tensor {source.key!r} {list(shape)} gives this rank a shard of {list(expected)}, "
                     f"but its tensor {name!r} here is {list(dst.shape)}: the model was changed after from_pretrained "
-                    f"under LazyInitContext, or split in a way lazy loading does not know (expert parallelism)")
+                    f"under LazyInitContext, or split in a way lazy loading does not know")
             if not shape:  # a scalar
                 dst.copy_(f.read(source.key))
                 return
             fill_shard(dst, lambda lo, hi: f.read(source.key, dim, lo, hi), shape[dim], dim, spec, rank, world)
         finally:
             f.close()
+
+
+class InitSources:
+    """{parameter or buffer name: its record} of a model built from a config under LazyInitContext (record.py)."""
+
+    def __init__(self, entries: Dict[str, Ref]) -> None:
+        self.entries = dict(entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def find(self, names: Sequence[str]) -> Optional[str]:
+        return _find(self.entries, names)
+
+    def fill(self, name: str, dst: Tensor, spec: Optional[TPSpec], rank: int, world: int,
+             experts: Optional[Tuple[int, int]] = None) -> None:
+        full = Replay().tensor(self.entries[name])  # eager init's tensor, whole (its draws need the full shape)
+        if experts is not None:  # this rank's experts only
+            full = full.narrow(0, *experts)
+        dim = spec.dim % full.dim() if spec is not None else 0
+        expected = _shard_shape(tuple(full.shape), dim, spec, rank, world)
+        if tuple(dst.shape) != expected:
+            raise ValueError(f"{name!r} was built {list(full.shape)} under LazyInitContext, which gives this rank a "
+                             f"shard of {list(expected)}, but it is {list(dst.shape)} here: the model was changed "
+                             f"after it was built, or split in a way lazy init does not know")
+        if full.dim() == 0:
+            dst.copy_(full)
+            return
+        fill_shard(dst, lambda lo, hi: full.narrow(dim, lo, hi - lo), full.shape[dim], dim, spec, rank, world)
+
+
+def _find(entries: Dict[str, object], names: Sequence[str]) -> Optional[str]:
+    """The first of `names` with an entry; a LoRA model's base weights (`...base_layer.`) under their module's name
+    (peft wraps the modules after the model was built)."""
+    for name in names:
+        for candidate in (name, checkpoint_key(name)):
+            if candidate in entries:
+                return candidate
+    return None
 
 
 def _shard_shape(shape: Tuple[int, ...], dim: int, spec: Optional[TPSpec], rank: int, world: int) -> Tuple[int, ...]:

@@ -37,6 +37,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from ..lazy_sources import EXPERT_ROWS
+
 __all__ = ["ExpertTraffic", "TRAFFIC", "expert_parameters", "split_experts_over_ep"]
 
 _ROUTING = ("hidden_states", "top_k_index", "top_k_weights")  # the experts forward's first three arguments
@@ -72,6 +74,7 @@ def split_experts_over_ep(module: nn.Module, group: ProcessGroup, num_experts: i
         kept = nn.Parameter(p.detach().narrow(0, rank * local, local).clone(), requires_grad=p.requires_grad)
         if hasattr(p, "_tp_spec"):  # split over tp on another dimension as well
             kept._tp_spec = p._tp_spec
+        setattr(kept, EXPERT_ROWS, (rank * local, local))  # (lazy init: which experts to materialize)
         setattr(module, name, kept)
         names.append(name)
     module.num_experts = local

@@ -46,6 +46,7 @@ LIB = C.ROOT + os.sep
 HERE = os.path.abspath(__file__)
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "all_gather_single", "reduce_scatter_single",  # torch >= 2.13's names for the two above
                "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
                "send", "recv", "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
 P2P = ("isend", "irecv")
@@ -106,7 +107,7 @@ class Counter:
                                      "site": site, "batched": True})
             self.records.append({"op": "batch_isend_irecv", "bytes": 0, "ops": len(ops), "site": site})
             return
-        if name in ("all_gather", "all_gather_into_tensor"):  # this rank's contribution
+        if name in ("all_gather", "all_gather_into_tensor", "all_gather_single"):  # this rank's contribution
             tensor = args[1] if len(args) > 1 else kwargs.get("tensor", kwargs.get("input_tensor"))
         elif name in ("send", "recv", "isend", "irecv", "all_reduce", "broadcast", "reduce"):
             tensor = args[0] if args else kwargs.get("tensor")
@@ -119,6 +120,8 @@ class Counter:
 
     def install(self) -> None:
         for name in COLLECTIVES + P2P + ("batch_isend_irecv",):
+            if not hasattr(dist, name):  # a name this torch does not have yet
+                continue
             fn = getattr(dist, name)
             self._originals[name] = (fn, getattr(c10d, name, None))
             wrapped = self._wrap(name, fn)

@@ -1,16 +1,19 @@
 """Activation checkpointing of the decoder layers inside each pipeline stage, through the model's own
 `gradient_checkpointing_enable()` (transformers' GradientCheckpointingLayer, torch.utils.checkpoint non-reentrant).
 
-transformers checkpoints a layer's `forward`, not `__call__`, so module hooks on the layer (the pipeline stage-exit
-hook) do not run again in the recomputation; torch's checkpoint restores the default RNG state (the dropout masks
-of replicated activations). What it cannot know is the tensor-parallel tracker's private per-rank state (dropout
-on split heads, shardformer/layer/dropout.py) and the weight-gradient store a zbv forward binds its linear layers
-to (pipeline/split_backward.py): `_replaying_forward_state` replays the recomputation from the private state the
-forward started with (leaving the tracker's progression untouched, so masks are identical) and under the same
-store (so it saves what the forward saved).
+transformers (5.24) checkpoints a layer's `forward`, not `__call__`, so module hooks on the layer (the pipeline
+stage-exit hook) do not run again in the recomputation; older releases (5.17) checkpoint `__call__`, and there
+`_replaying_forward_state` runs the hooks outside and checkpoints `forward` alone, the same thing. torch's
+checkpoint restores the default RNG state (the dropout masks of replicated activations). What it cannot know is the
+tensor-parallel tracker's private per-rank state (dropout on split heads, shardformer/layer/dropout.py) and the
+weight-gradient store a zbv forward binds its linear layers to (pipeline/split_backward.py):
+`_replaying_forward_state` replays the recomputation from the private state the forward started with (leaving the
+tracker's progression untouched, so masks are identical) and under the same store (so it saves what the forward
+saved).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -46,8 +49,28 @@ class GradientCheckpointConfig:
         return int(self.gradient_checkpointing_ratio * num_layers)
 
 
-def _replaying_forward_state(checkpoint_fn: Callable, tracker: Optional[TPRNGTracker]) -> Callable:
+def _calls_module(function: Callable, layer: nn.Module) -> bool:
+    """Whether `function` is `partial(nn.Module.__call__ of layer, ...)`: what older transformers (5.17) checkpoints
+    (its GradientCheckpointingLayer.__call__), module hooks included, where later ones (5.24) checkpoint `forward`."""
+    call = function.func if isinstance(function, functools.partial) else function
+    return getattr(call, "__self__", None) is layer and getattr(call, "__func__", None) is nn.Module.__call__
+
+
+def _replaying_forward_state(checkpoint_fn: Callable, tracker: Optional[TPRNGTracker], layer: nn.Module) -> Callable:
     def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+        if _calls_module(function, layer):
+            # the layer's hooks (a pipeline stage's entry substitutes the received input, its exit ends the stage)
+            # run once, outside the checkpoint, and only `forward` is checkpointed, as transformers 5.24 does
+            own = layer.__dict__.get("forward")
+            forward = layer.forward
+            layer.forward = lambda *a, **k: checkpoint(functools.partial(forward, **k), *a)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if own is None:
+                    del layer.forward
+                else:
+                    layer.forward = own
         # the private RNG state this layer's forward starts from, and the weight-gradient store its linear layers
         # are bound to (zbv, pipeline/split_backward.py): the recomputation must save what the forward saved
         forward_state = tracker.local_states if tracker is not None else None
@@ -92,4 +115,5 @@ def apply_activation_checkpointing(model: nn.Module, held_layers: Sequence[nn.Mo
     for i, layer in enumerate(held_layers):
         layer.gradient_checkpointing = i < counts[stage]
         if layer.gradient_checkpointing:
-            layer._gradient_checkpointing_func = _replaying_forward_state(layer._gradient_checkpointing_func, tracker)
+            layer._gradient_checkpointing_func = _replaying_forward_state(layer._gradient_checkpointing_func, tracker,
+                                                                          layer)

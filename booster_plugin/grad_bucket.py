@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from shardformer.layer.comm import reduce_scatter_tensor
+
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
@@ -110,7 +112,7 @@ class GradBucket:
                 p.grad = None  # ZeRO-2: only this rank's slice is kept
         if self.scatter:
             self.shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
-            self.work = [dist.reduce_scatter_single(self.shard, self.buffer[:self.padded], group=group, async_op=True),
+            self.work = [reduce_scatter_tensor(self.shard, self.buffer[:self.padded], group=group, async_op=True),
                          dist.all_reduce(self.has_grad, group=group, async_op=True)]
         else:
             self.work = [dist.all_reduce(self.buffer, group=group, async_op=True)]

@@ -8,8 +8,10 @@ steps a 1-D `Segment.master` of its part. The user's optimizer steps those segme
 that act element by element (ELEMENTWISE_OPTIMIZERS; others are refused). A segment with no gradient on any
 replica gets none, so the optimizer skips it as it would skip the whole parameter on one process.
 
-After the step every bucket's slices are all-gathered (`all_gather_single`) into the model parameters.
-ZeRO-1 reads its slice of the all-reduced bucket; ZeRO-2 gets it from `reduce_scatter_single` (GradBucket).
+After the step every bucket's slices are all-gathered (`all_gather_into_tensor`) into the model parameters.
+ZeRO-1 reads its slice of the all-reduced bucket; ZeRO-2 gets it from `reduce_scatter_tensor` (GradBucket).
+(Both through shardformer.layer.comm, which takes torch's newer names `all_gather_single` /
+`reduce_scatter_single` where torch has them.)
 Reused from torch: those two collectives on flat buffers, and ZeroRedundancyOptimizer's idea of wrapping the
 user's optimizer over a local partition (here: element slices of buckets instead of whole parameters, so that the
 per-rank bytes are ÷dp exactly and ZeRO-2's reduce-scatter lines up with the partition).
@@ -25,6 +27,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from shardformer.layer.comm import all_gather_tensor
 
 from .optimizer import HybridParallelOptimizer
 from .grad_bucket import GradBucket
@@ -144,7 +148,7 @@ class ZeroOptimizer(HybridParallelOptimizer):
                 if seg is not None and values.get(id(p)) is not None:
                     shard[seg.shard_offset:seg.shard_offset + seg.numel] = values[id(p)]
             flat = torch.empty(bucket.padded, dtype=kind, device=bucket.device)
-            dist.all_gather_single(flat, shard, group=bucket.axis.group)
+            all_gather_tensor(flat, shard, group=bucket.axis.group)
             yield bucket, flat
 
     @torch.no_grad()

@@ -85,10 +85,27 @@ def test_policy_sources():
         get_autopolicy(japanese)
 
 
+# the plans transformers declares for GPT-J (5.24: GPTJConfig.base_model_*_plan, GPTJForCausalLM._*_plan); releases
+# before (5.17) declare none, so there the test compares the inferred plan with these
+GPTJ_PLANS = ({"transformer.wte": (["input_ids"], ["inputs_embeds"]),
+               "transformer.drop": (["inputs_embeds"], ["hidden_states"]),
+               "transformer.h": (["hidden_states", "attention_mask"], ["hidden_states"]),
+               "transformer.ln_f": (["hidden_states"], ["hidden_states"]), "lm_head": (["hidden_states"], ["logits"])},
+              {"transformer.wte": "embedding_rowwise", "transformer.h.*.attn.q_proj": "colwise",
+               "transformer.h.*.attn.k_proj": "colwise", "transformer.h.*.attn.v_proj": "colwise",
+               "transformer.h.*.attn.out_proj": "rowwise", "transformer.h.*.mlp.fc_in": "colwise",
+               "transformer.h.*.mlp.fc_out": "rowwise", "lm_head": "colwise_gather_output"})
+
+
 def test_inferred_equals_declared_plan():
     """GPT-J declares plans: the plan inferred from its structure is the same (tp entries, layers, entry, exit)."""
     model = mu.build("gptj_inferred_lm", 2)
-    declared, inferred = TransformersPlanPolicy(model), infer_policy(model)
+    if GPTJConfig.base_model_tp_plan:  # the release's own plans, which GPTJ_PLANS copies
+        assert (model._pp_plan, model._tp_plan) == GPTJ_PLANS
+        declared = TransformersPlanPolicy(model)
+    else:
+        declared = TransformersPlanPolicy(model, plans=GPTJ_PLANS)
+    inferred = infer_policy(model)
     assert inferred.tp_plan == declared.tp_plan and inferred.head_tp_plan == declared.head_tp_plan
     assert (inferred.layers, inferred.entry, inferred.exit) == (declared.layers, declared.entry, declared.exit)
 

@@ -1,8 +1,13 @@
 """Autograd-aware collectives for Megatron-style tensor parallelism and sequence parallelism over the tp group.
 
 Each op is the identity when the group has one rank (or torch.distributed is not initialized). The sequence ops use
-torch's single-tensor collectives (`all_gather_single`, `reduce_scatter_single`, `all_to_all_single`; gloo has all
-three) on a copy with the split dimension moved first.
+torch's single-tensor collectives (`all_gather_tensor`, `reduce_scatter_tensor` below, `all_to_all_single`; gloo has
+all three) on a copy with the split dimension moved first.
+
+`all_gather_tensor` / `reduce_scatter_tensor` are torch's `all_gather_into_tensor` / `reduce_scatter_tensor`
+(torch >= 1.13; the only names torch 2.11 has), called by the names torch 2.13 gave them (`all_gather_single` /
+`reduce_scatter_single`, where the old names warn as deprecated) wherever torch has those. Same arguments, same
+semantics.
 
 Sums over the tp group (`start_sum`) of up to 2 MiB on gloo with a power-of-two group exchange whole tensors with
 one partner per round (recursive doubling: one round for tp=2) and add: on CPU such an all-reduce is latency bound,
@@ -29,9 +34,29 @@ __all__ = [
     "reduce_scatter_to_sequence",
     "all_to_all",
     "all_gather_along",
+    "all_gather_tensor",
+    "reduce_scatter_tensor",
     "start_sum",
     "PendingSum",
 ]
+
+
+_SINGLE_NAMES = hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single")
+
+
+def all_gather_tensor(output: Tensor, input: Tensor, group: ProcessGroup | None = None, async_op: bool = False):
+    """`output` (world * n elements along dim 0) <- every rank's `input` (n), in rank order. Looked up on
+    `torch.distributed` at each call, so that a wrapper installed there (a communication counter) sees it."""
+    if _SINGLE_NAMES:
+        return dist.all_gather_single(output, input, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output: Tensor, input: Tensor, group: ProcessGroup | None = None, async_op: bool = False):
+    """`output` (n) <- this rank's chunk (dim 0) of the sum over the group of every rank's `input` (world * n)."""
+    if _SINGLE_NAMES:
+        return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
+    return dist.reduce_scatter_tensor(output, input, group=group, async_op=async_op)
 
 
 def get_tp_world_size(group: ProcessGroup | None) -> int:
@@ -127,19 +152,19 @@ def _own_chunk(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
 
 
 def all_gather_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
-    """Concatenation along `dim` of every rank's `x` (no autograd): one `all_gather_single`."""
+    """Concatenation along `dim` of every rank's `x` (no autograd): one `all_gather_tensor`."""
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((dist.get_world_size(group) * src.shape[0], *src.shape[1:]))
-    dist.all_gather_single(out, src, group=group)
+    all_gather_tensor(out, src, group=group)
     return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
-    """This rank's chunk along `dim` of the sum over the group: one `reduce_scatter_single`."""
+    """This rank's chunk along `dim` of the sum over the group: one `reduce_scatter_tensor`."""
     world = _divisible(x, dim, group)
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
-    dist.reduce_scatter_single(out, src, group=group)
+    reduce_scatter_tensor(out, src, group=group)
     return out.movedim(0, dim).contiguous()
 
 

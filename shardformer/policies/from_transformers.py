@@ -7,10 +7,11 @@ front-ends beside hand-written policies, Paddle-style plans and Parallelformers-
   the base model's structure (`structural_pp_plan`): its children with parameters in registration order around
   the one ModuleList the tp plan's `layers.*` patterns name.
 - Tensor parallel: the model's `_tp_plan` (its config's `base_model_tp_plan`, the head, and the input embedding
-  transformers adds), each style name mapped onto our parallel layers (`STYLES`): column / row layers, raw
-  parameters split like a Linear's weight (attention sinks, stacked experts), mixture-of-experts experts
-  (`moe_tp_experts`), latent attention's shared rotary key (`mla_kv_a_proj`). A style we cannot honour exactly is
-  refused, naming the module and the style, and so are config features a plan cannot honour (INEXACT_TP/PP).
+  transformers adds; `declared_plans` completes an older release's plans likewise), each style name mapped onto
+  our parallel layers (`STYLES`): column / row layers, raw parameters split like a Linear's weight (attention
+  sinks, stacked experts), mixture-of-experts experts (`moe_tp_experts`), latent attention's shared rotary key
+  (`mla_kv_a_proj`). A style we cannot honour exactly is refused, naming the module and the style, and so are
+  config features a plan cannot honour (INEXACT_TP/PP).
 - The rest comes from structure and config: tied weights are found by identity; a stage sees its own slice of
   `config.layer_types` (the models pick each layer's mask by its position in their loop); attention heads must
   split evenly.
@@ -27,6 +28,7 @@ from ..stage import IDENTITY, INPUT
 from ..styles import (Colwise, Experts, GradAllReduce, KVHeads, Rowwise, SharedTailGrad, SplitParam, VocabEmbedding,
                       VocabHead)
 from .base import Policy
+from .transformers_compat import declared_plans, kv_sharing_modes
 
 # transformers' style names (5.x, plus the 4.x spellings) -> our style; None: nothing to do (replicated)
 STYLES = {
@@ -104,7 +106,7 @@ class TransformersPlanPolicy(Policy):
             raise PlanRefused(f"{type(model).__name__} is not a transformers model, so it has no plans.")
         self.set_model(model)
         prefix = base_prefix(model)
-        pp_own, tp_own = plans or (getattr(model, "_pp_plan", None), getattr(model, "_tp_plan", None))
+        pp_own, tp_own = plans or declared_plans(model)
         pp_plan = split_at_base(pp_own or {}, prefix)
         base_plan, head_plan = split_at_base(tp_own or {}, prefix)
         self.unsupported: Dict[str, str] = {}  # plan pattern -> why its style cannot be applied (tp > 1 only)
@@ -254,7 +256,7 @@ class TransformersPlanPolicy(Policy):
             split: layers of each stage, in order.
         """
         try:
-            modes = list(getattr(self.model.config, "kv_sharing_modes", None) or ())
+            modes = kv_sharing_modes(self.model.config)
         except ValueError:
             return
         kinds = getattr(self.model.config, "layer_types", None) or [None] * len(modes)

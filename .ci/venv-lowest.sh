@@ -42,8 +42,10 @@ PY
 }
 
 mkdir -p "$(dirname "$VENV")"
-exec 9>"$VENV.lock"
-flock 9  # one build at a time; a second make waits and then reuses it
+if command -v flock >/dev/null; then  # one build at a time; a second make waits and then reuses it
+    exec 9>"$VENV.lock"
+    flock 9
+fi
 if ! matches; then
     echo "venv-lowest: building $VENV (torch==$TORCH, transformers==$TRANSFORMERS)" >&2
     rm -rf "$VENV"

@@ -18,15 +18,15 @@ test: install
 	$(PYTHON) -m pytest tests -q
 
 # one test per feature (tests/fast_subset.txt, about 1-2 minutes on 2 cores)
-FAST_SUBSET = sed -e 's/\#.*//' -e '/^[[:space:]]*$$/d' tests/fast_subset.txt
+FAST_SUBSET = sed -e 's/\#.*//' -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$$//' -e '/^$$/d' tests/fast_subset.txt | tr '\n' '\0'
 test-fast:
-	$(FAST_SUBSET) | OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) xargs -d '\n' $(PYTHON) -m pytest -q
+	$(FAST_SUBSET) | OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) xargs -0 $(PYTHON) -m pytest -q
 
 # the fast subset on the lowest torch and transformers that setup.py declares, in a venv cached outside the
 # repository (built once by .ci/venv-lowest.sh, rebuilt when a lower bound moves); this checkout via PYTHONPATH
 test-lowest:
 	@py=$$(.ci/venv-lowest.sh $(PYTHON)) && \
-	$(FAST_SUBSET) | OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) xargs -d '\n' $$py -m pytest -q
+	$(FAST_SUBSET) | OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) xargs -0 $$py -m pytest -q
 
 # every benchmark, one after another (timings want an otherwise idle machine); tables -> benchmarks/results/*.json
 bench: install

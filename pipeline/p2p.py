@@ -95,6 +95,7 @@ class PipelineP2PCommunication:
         self.enable_metadata_cache = enable_metadata_cache
         self._links: Dict[Tuple[int, str, str, int], _Link] = {}
         self._pair_groups: Dict[Tuple[int, int], dist.ProcessGroup] = {}
+        self._world = world_group()  # global peer ranks, and a CPU backend whatever the script's world group has
         if transport == "broadcast":
             mesh, axis, n = stage_manager.pg_mesh, stage_manager.pipeline_axis, stage_manager.num_stages
             for a in range(n - 1):  # every rank creates every pair group (new_group is collective)
@@ -199,9 +200,8 @@ class PipelineP2PCommunication:
 
     def _run(self, sends: List[Tuple[int, str, torch.Tensor]], recvs: List[Tuple[int, str, torch.Tensor]]) -> None:
         if self.transport == "p2p":
-            group = world_group()  # global peer ranks, and a CPU backend whatever the script's world group has
-            ops = [dist.P2POp(dist.isend, t, peer, group) for peer, _, t in sends]
-            ops += [dist.P2POp(dist.irecv, t, peer, group) for peer, _, t in recvs]
+            ops = [dist.P2POp(dist.isend, t, peer, self._world) for peer, _, t in sends]
+            ops += [dist.P2POp(dist.irecv, t, peer, self._world) for peer, _, t in recvs]
             if not ops:
                 return
             works = dist.batch_isend_irecv(ops)

@@ -19,7 +19,7 @@ from shardformer.layer.spec import TPSpec, fill_shard, shard_ranges
 
 from ..checkpoint.format import SafetensorsFile
 from ..lora import checkpoint_key
-from .tape import Ref, Replay
+from .tape import Replay
 
 __all__ = ["TensorSource", "CheckpointSources", "InitSources", "same_values"]
 
@@ -32,18 +32,26 @@ class TensorSource(NamedTuple):
     key: str
 
 
-class CheckpointSources:
-    """{unsharded parameter or buffer name: its checkpoint tensor}. A LoRA model's base weights (`...base_layer.`)
-    are found under their module's own name, as the base checkpoint holds them."""
+class _NamedSources:
+    """{unsharded parameter or buffer name: where its values come from}; `find` also finds a LoRA model's base
+    weights (`...base_layer.`) under their module's own name (peft wraps the modules after the model was built)."""
 
-    def __init__(self, entries: Dict[str, TensorSource]) -> None:
+    def __init__(self, entries: Dict[str, object]) -> None:
         self.entries = dict(entries)
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def find(self, names: Sequence[str]) -> Optional[str]:
-        return _find(self.entries, names)
+        for name in names:
+            for candidate in (name, checkpoint_key(name)):
+                if candidate in self.entries:
+                    return candidate
+        return None
+
+
+class CheckpointSources(_NamedSources):
+    """{unsharded parameter or buffer name: its checkpoint tensor (TensorSource)}."""
 
     def fill(self, name: str, dst: Tensor, spec: Optional[TPSpec], rank: int, world: int,
              experts: Optional[Tuple[int, int]] = None) -> None:
@@ -69,17 +77,9 @@ class CheckpointSources:
             f.close()
 
 
-class InitSources:
-    """{parameter or buffer name: its record} of a model built from a config under LazyInitContext (record.py)."""
-
-    def __init__(self, entries: Dict[str, Ref]) -> None:
-        self.entries = dict(entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def find(self, names: Sequence[str]) -> Optional[str]:
-        return _find(self.entries, names)
+class InitSources(_NamedSources):
+    """{parameter or buffer name: its record (tape.Ref)} of a model built from a config under LazyInitContext
+    (record.py)."""
 
     def fill(self, name: str, dst: Tensor, spec: Optional[TPSpec], rank: int, world: int,
              experts: Optional[Tuple[int, int]] = None) -> None:
@@ -96,16 +96,6 @@ class InitSources:
             dst.copy_(full)
             return
         fill_shard(dst, lambda lo, hi: full.narrow(dim, lo, hi - lo), full.shape[dim], dim, spec, rank, world)
-
-
-def _find(entries: Dict[str, object], names: Sequence[str]) -> Optional[str]:
-    """The first of `names` with an entry; a LoRA model's base weights (`...base_layer.`) under their module's name
-    (peft wraps the modules after the model was built)."""
-    for name in names:
-        for candidate in (name, checkpoint_key(name)):
-            if candidate in entries:
-                return candidate
-    return None
 
 
 def _shard_shape(shape: Tuple[int, ...], dim: int, spec: Optional[TPSpec], rank: int, world: int) -> Tuple[int, ...]:

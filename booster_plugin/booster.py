@@ -11,13 +11,15 @@ from .lora import enable_lora
 from .parallel_module import HybridParallelModule
 from .plugin import HybridParallelPlugin
 from .plugin_base import BoosterCheckpointIO, Plugin
+from .torch_amp import apply_torch_amp, torch_amp
 
 
 class Booster:
     """ColossalAI's Booster. Args:
         device: accepted for compatibility (the plugin places each rank on its accelerator, else the CPU).
-        mixed_precision: as in ColossalAI, the plugin controls precision; a value here is ignored with a warning
-            (use HybridParallelPlugin(precision="bf16")).
+        mixed_precision: as in ColossalAI, "fp16" or "bf16" runs torch AMP (autocast; fp16 with torch's GradScaler)
+            around a plugin that does not control precision (TorchDDPPlugin; see torch_amp.py); the other plugins
+            control it (`precision=`), and a value here is ignored with a warning.
         plugin: HybridParallelPlugin, LowLevelZeroPlugin or TorchDDPPlugin (any `Plugin`); may also be given to
             `boost(..., plugin=...)`. Without either, `boost` uses HybridParallelPlugin() (data parallel over the
             whole world).
@@ -25,12 +27,12 @@ class Booster:
 
     def __init__(self, device: Optional[str] = None, mixed_precision: Optional[str] = None,
                  plugin: Optional[Plugin] = None) -> None:
-        if mixed_precision is not None:
-            warnings.warn(f"Booster(mixed_precision={mixed_precision!r}) is ignored: the plugin controls precision; "
-                          f"use HybridParallelPlugin(precision=...).", stacklevel=2)
+        self._amp = torch_amp(mixed_precision)
         if plugin is not None:
             _check_plugin(plugin)
         self._plugin = plugin
+        if plugin is not None:
+            self._warn_ignored_precision(stacklevel=3)
         self.device = device
 
     @property
@@ -55,9 +57,18 @@ class Booster:
                                  "to boost(..., plugin=...), not a different one to each.")
             _check_plugin(plugin)
             self._plugin = plugin
+        self._warn_ignored_precision(stacklevel=3)
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        if self._amp is not None and not self.plugin.control_precision():
+            boosted = (*apply_torch_amp(self._amp, self.plugin.device, *boosted[:3]), *boosted[3:])
         self.checkpoint_io.register_optimizer(boosted[0], boosted[1])  # load_model refreshes its master weights
         return boosted
+
+    def _warn_ignored_precision(self, stacklevel: int) -> None:
+        if self._amp is not None and self.plugin.control_precision():
+            warnings.warn(f"Booster(mixed_precision={self._amp.name!r}) is ignored: {type(self.plugin).__name__} "
+                          f"controls precision (as in ColossalAI); use its precision= argument.", stacklevel=stacklevel)
+            self._amp = None
 
     def enable_lora(self, model: nn.Module, pretrained_dir: Optional[str] = None, lora_config=None,
                     bnb_quantization_config=None, quantize: bool = False) -> nn.Module:

@@ -69,6 +69,10 @@ class Plugin(ABC):
     def support_no_sync(self) -> bool:
         return True
 
+    def control_precision(self) -> bool:
+        """ColossalAI's query: False where Booster(mixed_precision=...) applies (torch AMP, torch_amp.py)."""
+        return True
+
     def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
         """`booster.backward(loss, optimizer)`: the boosted optimizer's backward (it scales an fp16 loss)."""
         optimizer.backward(loss)

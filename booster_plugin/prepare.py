@@ -35,6 +35,7 @@ from .failure import FailureGuard
 from .lora import LoRAState, adapter_file_keys, materialize_adapters, split_peft_model
 from .mixed_precision import DynamicLossScaler
 from .optimizer import HybridParallelOptimizer
+from .optimizer_carry import carry_state, unsharded_state
 from .optimizer_guard import guard_parameters
 from .parallel_module import HybridParallelModule, ModelInfo, SharedParam
 from .stage_calls import refuse_calls_outside_schedule
@@ -99,11 +100,14 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
     if optimizer is None:
         return module, None
     _rebind_optimizer(optimizer, param_names, params)
+    carried = unsharded_state(optimizer, param_names)  # stepped before boost: carried onto the shards below
     wrapper = ZeroOptimizer if opts.precision.zero_stage > 0 else HybridParallelOptimizer
     scaler = DynamicLossScaler(opts.precision.scaler, opts.device) if opts.precision.precision == "fp16" else None
-    return module, wrapper(optimizer, module, opts.precision.max_norm, tracer=tracer,
-                           master_dtype=torch.float32 if opts.precision.precision != "fp32" else None, scaler=scaler,
-                           on_nonfinite=opts.precision.on_nonfinite)
+    boosted = wrapper(optimizer, module, opts.precision.max_norm, tracer=tracer,
+                      master_dtype=torch.float32 if opts.precision.precision != "fp32" else None, scaler=scaler,
+                      on_nonfinite=opts.precision.on_nonfinite)
+    carry_state(boosted, carried, ctx)
+    return module, boosted
 
 
 def shard_config_of(sharding: ShardingConfig, ctx: ParallelContext, stage_manager: PipelineStageManager,
@@ -160,8 +164,6 @@ def _sequence_split(sharding: ShardingConfig, ctx: ParallelContext) -> Tuple[int
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: Dict[int, list], params: Dict[str, nn.Parameter]) -> None:
     """Point the optimizer at this stage's (possibly re-created, sharded) parameters, by name; drop the rest."""
-    if optimizer.state:
-        raise ValueError("Boost the optimizer before its first step: it already has state for unsharded parameters.")
     for group in optimizer.param_groups:
         rebound, seen = [], set()
         for p in group["params"]:

@@ -18,6 +18,7 @@ from .checkpoint.ddp_io import TorchDDPCheckpointIO, ddp_context
 from .launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
 from .optimizer_wrapper import OptimizerWrapper
 from .plugin_base import WorldDPPluginBase
+from .torch_amp import AMPModule
 
 __all__ = ["TorchDDPPlugin", "OptimizerWrapper"]
 
@@ -25,7 +26,7 @@ __all__ = ["TorchDDPPlugin", "OptimizerWrapper"]
 class TorchDDPPlugin(WorldDPPluginBase):
     """ColossalAI's TorchDDPPlugin, every argument by name: the model wrapped in torch's DistributedDataParallel
     over the world (its arguments as given), the optimizer in OptimizerWrapper. Precision is the model's own (as in
-    ColossalAI, this plugin does not control it). No pipeline: `execute_pipeline` is refused.
+    ColossalAI, this plugin does not control it: `Booster(mixed_precision="fp16")` runs torch AMP around it). No pipeline: `execute_pipeline` is refused.
 
     Args:
         broadcast_buffers, bucket_cap_mb, find_unused_parameters, check_reduction, gradient_as_bucket_view,
@@ -67,11 +68,17 @@ class TorchDDPPlugin(WorldDPPluginBase):
             optimizer = OptimizerWrapper(optimizer)
         return model, optimizer, criterion, dataloader, lr_scheduler
 
+    def control_precision(self) -> bool:
+        """As in ColossalAI: Booster(mixed_precision="fp16"/"bf16") runs torch AMP around this plugin's model."""
+        return False
+
     def get_checkpoint_io(self) -> TorchDDPCheckpointIO:
         return TorchDDPCheckpointIO(ddp_context(self.device, DEFAULT_TIMEOUT_S))
 
     def no_sync(self, model: Optional[nn.Module] = None, optimizer: Any = None) -> ContextManager[None]:
         """DistributedDataParallel's no_sync: gradients accumulate locally until the first backward outside."""
+        if isinstance(model, AMPModule):
+            model = model.module
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"no_sync needs the model returned by booster.boost() with TorchDDPPlugin (a torch "
                             f"DistributedDataParallel), got {type(model).__name__}.")

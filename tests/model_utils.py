@@ -47,7 +47,27 @@ def opt_config(layers: int = 4) -> OPTConfig:
                      eos_token_id=2, word_embed_proj_dim=32)
 
 
+class OwnLoraEmbedding(torch.nn.Module):
+    """A script's own LoRA embedding replacing nn.Embedding (as ColossalChat's LoraEmbedding): no tp plan fits it."""
+
+    def __init__(self, embedding: torch.nn.Embedding, rank: int = 4) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+        self.lora_A = torch.nn.Parameter(torch.randn(rank, embedding.num_embeddings) * 0.1)
+        self.lora_B = torch.nn.Parameter(torch.randn(embedding.embedding_dim, rank) * 0.1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight + (self.lora_B @ self.lora_A).T)
+
+
+def _own_lora_llama(layers: int) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(llama_config(layers, tie_word_embeddings=False))
+    model.model.embed_tokens = OwnLoraEmbedding(model.model.embed_tokens)
+    return model
+
+
 MODELS: Dict[str, Callable] = {
+    "llama_own_lora_lm": _own_lora_llama,
     "opt_lm": lambda n=4: OPTForCausalLM(opt_config(n)),
     "gpt2_lm": lambda n=4: GPT2LMHeadModel(gpt2_config(n)),
     "gpt2": lambda n=4: GPT2Model(gpt2_config(n)),
@@ -151,13 +171,15 @@ def microbatch_mean_loss(model, batch: Dict[str, torch.Tensor], microbatch_size:
 def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int = 8, lr: float = 1e-3,
                    max_norm: float = 0.0, tol: float = 1e-5, save_to: Optional[str] = None,
                    resume_from: Optional[Tuple[str, int]] = None, prepare: Optional[Callable[[Any], None]] = None,
-                   **plugin_kwargs) -> None:
+                   pre_steps: int = 0, **plugin_kwargs) -> None:
     """Train the boosted model and the unsharded reference on the same global batches and compare everything.
 
     `tol` loosens the comparison for mixed precision (the reference stays fp32). The gradients compared are those
     the optimizer stepped (fp32 masters, unscaled; with ZeRO all-gathered from the dp slices). `save_to`: save
     model and optimizer there at the end; `resume_from=(directory, n)`: load them (saved after step n) and train
-    steps n..steps-1 (the reference trains all). `prepare(plugin)` runs after boosting (e.g. to set a schedule)."""
+    steps n..steps-1 (the reference trains all). `prepare(plugin)` runs after boosting (e.g. to set a schedule).
+    `pre_steps`: the unsharded model and its optimizer first take that many steps in one process, and the boosted
+    ones start from copies of them (an optimizer boosted with state, as ColossalAI allows)."""
     plugin = HybridParallelPlugin(max_norm=max_norm, **plugin_kwargs)
     booster = Booster(plugin=plugin)
     reference = build(kind, layers).to(DEVICE)
@@ -166,8 +188,16 @@ def check_training(kind: str, steps: int = 2, layers: int = 4, local_batch: int 
     # fp32 rounding (summation order differs across layouts) can move by up to lr. eps=1e-6 bounds that gain to
     # lr / eps, so parameters can be compared at 1e-5 while every real gradient still drives an Adam-sized step.
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, eps=1e-6)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
     loss_fn = CRITERIA.get(kind, criterion)
+    for step in range(pre_steps):
+        batch = on_device(make_batch(kind, local_batch, seed=50 + step))
+        ref_opt.zero_grad()
+        loss_fn(reference(**batch), batch).backward()
+        ref_opt.step()
+    model = copy.deepcopy(reference)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
+    if pre_steps:
+        opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # (torch shares tensors otherwise)
     model, opt, *_ = booster.boost(model, opt, loss_fn)
     if prepare is not None:
         prepare(plugin)

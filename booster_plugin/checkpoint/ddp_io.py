@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..torch_amp import AMPModule
+
 from ..optimizer_wrapper import OptimizerWrapper
 from .atomic import replace_file, resolve_dir, swap_into_place
 from .context import CheckpointContext
@@ -45,7 +47,9 @@ def ddp_context(device: torch.device, timeout_s: float) -> CheckpointContext:
 
 
 def ddp_module(model: nn.Module) -> nn.Module:
-    """The model inside the DistributedDataParallel that TorchDDPPlugin's boost returned."""
+    """The model inside the DistributedDataParallel that TorchDDPPlugin's boost returned (under torch AMP too)."""
+    if isinstance(model, AMPModule):
+        model = model.module
     if isinstance(model, DistributedDataParallel):
         return model.module
     raise TypeError(f"Expected the model returned by booster.boost() with TorchDDPPlugin (a torch "

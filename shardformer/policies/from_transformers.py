@@ -113,7 +113,7 @@ class TransformersPlanPolicy(Policy):
         self.tp_plan = self._styles(base_plan, False, model.config)
         self.head_tp_plan = self._styles(head_plan, True, model.config)
         names = list(pp_plan[0]) or structural_pp_plan(model.base_model, base_plan)
-        self.layers, self.entry, self.exit = self._split_pipeline(model.base_model, names)
+        self.layers, self.entry, self.exit = self._split_pipeline(model.base_model, names, pp_plan[0])
         self._split_raw_parameters(model.base_model)
         self._check_modules(model, prefix)
         columns = [p for p, s in self.tp_plan.items() if isinstance(s, Colwise)]
@@ -139,14 +139,19 @@ class TransformersPlanPolicy(Policy):
                 styles[pattern] = style
         return styles
 
-    def _split_pipeline(self, base: nn.Module, names: List[str]) -> Tuple[str, Dict[str, str], Tuple[str, ...]]:
+    def _split_pipeline(self, base: nn.Module, names: List[str], declared: Dict[str, Tuple[List[str], List[str]]]
+                        ) -> Tuple[str, Dict[str, str], Tuple[str, ...]]:
+        """(layer list, entry {path: stand-in kind}, exit paths). An entry module is the input embedding where the
+        pp plan says it reads `input_ids` (whatever its class: a script may have replaced the nn.Embedding)."""
         lists = [i for i, n in enumerate(names) if isinstance(find_submodule(base, n), nn.ModuleList)]
         if len(lists) != 1:
             missing = [n for n in names if find_submodule(base, n) is None]
             raise PlanRefused(f"pipeline plan {names} of {type(base).__name__} has {len(lists)} layer lists; "
                               f"exactly one is needed" + (f" (the model has no {missing})" if missing else "") + ".")
         i = lists[0]
-        entry = {n: INPUT if isinstance(find_submodule(base, n), nn.Embedding) else IDENTITY for n in names[:i]}
+        reads_ids = lambda n: "input_ids" in (declared.get(n) or ((),))[0]  # noqa: E731
+        entry = {n: INPUT if isinstance(native_module(find_submodule(base, n)), nn.Embedding) or reads_ids(n)
+                 else IDENTITY for n in names[:i]}
         return names[i], entry, tuple(names[i + 1:])
 
     def _split_raw_parameters(self, base: nn.Module) -> None:
@@ -166,7 +171,9 @@ class TransformersPlanPolicy(Policy):
                                                style.n_fused if column else 1)
 
     def _check_modules(self, model: nn.Module, prefix: str) -> None:
-        """Every plan entry must name modules of the kind its style shards (checked before any collective)."""
+        """Every plan entry must name modules of the kind its style shards; one that does not (e.g. a module a
+        script replaced with its own LoRA class) is kept aside as unsupported: refused at tp_size > 1 (check_tp,
+        before any collective), irrelevant without tensor parallelism."""
         for plan, root in ((self.tp_plan, prefix), (self.head_tp_plan, "")):
             for pattern, style in plan.items():
                 for path, module in model.named_modules():
@@ -176,8 +183,9 @@ class TransformersPlanPolicy(Policy):
                         continue
                     need = _NEEDS.get(type(style), nn.Linear if isinstance(style, VocabHead) else nn.Module)
                     if not isinstance(native_module(module), need):  # a LoRA layer: the module it wraps
-                        raise PlanRefused(f"tp plan shards '{path}' ({type(module).__name__}) as "
-                                          f"{type(style).__name__}, which needs a {need.__name__}.")
+                        self.unsupported.setdefault(pattern, f"tp plan shards '{path}' ({type(module).__name__}) "
+                                                             f"as {type(style).__name__}, which needs a "
+                                                             f"{need.__name__}.")
 
     def _split_activation_params(self, base: nn.Module) -> Dict[str, GradAllReduce]:
         """Modules with parameters inside a region whose column layers split their outputs (e.g. a learnable

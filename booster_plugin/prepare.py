@@ -25,6 +25,8 @@ from shardformer.layer.dropout import TPRNGTracker
 from shardformer.layer.split_weight_grads import prepare_split_backward
 from shardformer.multimodal_batch import image_rows
 from shardformer.policies import Policy, get_autopolicy
+from shardformer.policies.proven import ProvenPolicy
+from shardformer.prove import prove_policy
 from shardformer.precision import cast_to_compute_dtype
 from shardformer.sharder import ShardConfig, Sharder
 
@@ -130,7 +132,8 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
         rng_tracker = TPRNGTracker(opts.device)
         # dropout masks the same across tp, not dp; drawn from the tracker, the script's global RNG is left alone
         rng_tracker.sync(ctx.tp.group, opts.sharding.seed + ctx.dp.rank)
-    sharder = Sharder(model, policy, shard_config_of(opts.sharding, ctx, stage_manager, rng_tracker))
+    prove = prove_policy if isinstance(policy, ProvenPolicy) else None  # an inferred plan: proven on a twin first
+    sharder = Sharder(model, policy, shard_config_of(opts.sharding, ctx, stage_manager, rng_tracker), prove)
     if opts.sharding.custom_policy is not None:  # a plan written by hand: an entry matching nothing is a typo
         policy.check_plan()
     shared_names = sharder.shard()

@@ -2,7 +2,7 @@
 with tensor-parallel ones, re-tie shared weights — and returns what the runtime needs to drive the stage."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -31,8 +31,12 @@ __all__ = ["ShardConfig", "Sharder"]
 class Sharder:
     """Applies `policy` to `model` in place, as `shard_config` says (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, policy: Policy, shard_config: ShardConfig) -> None:
+    def __init__(self, model: nn.Module, policy: Policy, shard_config: ShardConfig,
+                 prove: Optional[Callable[[Policy], None]] = None) -> None:
+        """`prove`: run on the bound policy after the checks, before anything changes (prove.prove_policy for a
+        ProvenPolicy; it raises PlanRefused on every rank alike)."""
         self.model = model
+        self.prove = prove
         self.policy = policy
         self.shard_config = shard_config
         self.stage_forward: Optional[StageForward] = None
@@ -46,6 +50,8 @@ class Sharder:
         """Shard in place; returns the shared parameters as [{stage: parameter name on that stage}]."""
         self.policy.check_paths()
         self.policy.check_tp(self.model.config, self.shard_config.tp_size)
+        if self.prove is not None:
+            self.prove(self.policy)
         mode = self.shard_config.sp_mode
         if mode is not None:
             refuse_sequence_parallelism(self.model, self._plan_style, mode)

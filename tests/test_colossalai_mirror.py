@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import booster_plugin.colossalai.logging as cai_logging
+import booster_plugin.dist_logger as cai_logging
 from booster_plugin.colossalai.nn.lr_scheduler import CosineAnnealingWarmupLR, LinearWarmupLR
 
 SED_RULE = r"s/\bcolossalai\b/booster_plugin.colossalai/g"

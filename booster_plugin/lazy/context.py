@@ -26,6 +26,7 @@ from torch.nn.modules import module as nn_module
 from shardformer.lazy_sources import DEVICE_TAG
 from shardformer.materialize import materialize as materialize_shard
 
+from ..dist_logger import get_dist_logger
 from .pretrained import lazy_loading
 from .record import Recorder, recording
 
@@ -150,8 +151,6 @@ def _materialize_in_place(module: nn.Module, device: torch.device) -> None:
 
 
 def _report(module: nn.Module) -> None:
-    from ..colossalai.logging import get_dist_logger
-
     params, buffers = list(module.parameters()), list(module.buffers())
     total = sum(t.numel() for t in params + buffers)
     eager = sum(t.numel() for t in params + buffers if not t.is_meta)

@@ -5,7 +5,8 @@ first exit module is a norm: its parameters are per-feature vectors) the hidden 
 sequence over the tp ranks; everything before (embeddings, rotary tables, masks, positions, all computed by the
 model's own forward on the full sequence) and after (head, loss) is as with tensor parallelism alone. A forward
 pre-hook on the first layer keeps this rank's chunk (its gradient is all-gathered back) and a forward hook on the
-last split module gathers the chunks (its gradient is split); with pipeline parallelism the stages in between send
+last split module gathers the chunks (its gradient is split), and so the router logits mixture-of-experts layers
+recorded on them, for the load-balancing loss (router_logits.py); with pipeline parallelism the stages in between send
 and receive the shard. Over a group of its own ("all_to_all", "ring_attn" with sp_size > 1) the LM head and the
 model's own causal-LM loss then run on this rank's tokens again in a training forward with labels
 (sequence_loss.py). Modes:

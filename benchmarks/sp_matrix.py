@@ -1,5 +1,6 @@
-"""Sequence parallelism matrix (a one-off check, not CI): Llama, Qwen3, Mistral (sliding window) and GPT-2 (learned
-positions, tied head) trained with HybridParallelPlugin(sp_size=2, enable_sequence_parallelism=True,
+"""Sequence parallelism matrix (a one-off check, not CI): Llama, Qwen3, Mistral (sliding window), GPT-2 (learned
+positions, tied head), Mixtral and Qwen3-MoE (mixture of experts, router loss on) and Gemma 2 (logit soft-capping,
+sliding and full layers) trained with HybridParallelPlugin(sp_size=2, enable_sequence_parallelism=True,
 sequence_parallelism_mode="ring_attn" | "all_to_all") composed with tp, pp and dp + ZeRO-1, against one process,
 with tests/model_utils.check_training (2 AdamW steps: the loss, every gradient, every parameter after each step, at
 1e-5, fp32) on rows of 16 tokens, plain (right padding on one row), nopad (no attention mask at all: the ring's own
@@ -9,7 +10,9 @@ keeps attention inside each document).
 
 Tiny models (4 layers, hidden 32, vocabulary 100): Llama 8 heads / 4 kv heads; Qwen3 8 / 4 with q/k norms;
 Mistral 8 / 4 with sliding_window=4 (smaller than the 16-token row and than a rank's part of it, so the window
-crosses the ring's chunk boundaries); GPT-2 4 heads, learned absolute positions, tied input/output embeddings.
+crosses the ring's chunk boundaries); GPT-2 4 heads, learned absolute positions, tied input/output embeddings;
+Mixtral and Qwen3-MoE 8 / 4, 4 experts top-2, output_router_logits=True, router_aux_loss_coef=1; Gemma 2 8 / 4,
+attn_logit_softcapping=1 (most scores capped hard), sliding_window=4 on alternate layers, eager attention.
 
 Layouts (sp, tp, pp, dp) and ranks:
   sp2            2 ranks: sp 2
@@ -42,7 +45,10 @@ DOC = os.path.join(ROOT, "docs", "context_parallel.md")
 LENGTH = 16  # tokens per row (a multiple of 2 * sp * tp for every layout here)
 WINDOW = 4  # Mistral's sliding window
 DOCS_PER_ROW = (2, 4)  # whole documents per packed row
-MODELS = {"llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral (window 4)", "gpt2": "GPT-2"}
+MODELS = {"llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral (window 4)", "gpt2": "GPT-2",
+          "mixtral": "Mixtral (MoE, router loss)", "qwen3moe": "Qwen3-MoE (router loss)",
+          "gemma2": "Gemma 2 (soft-cap 1, window 4)"}
+MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=1.0)
 MODES = ("ring_attn", "all_to_all")
 DATA = ("plain", "nopad", "packed")
 # name: (label, world size, plugin keywords besides the sp ones)
@@ -71,6 +77,15 @@ def build_model(model: str, packed: bool, layers: int = 4):
     if model == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(num_hidden_layers=layers, head_dim=4,
                                                                           sliding_window=WINDOW, **kw))
+    if model == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_hidden_layers=layers, head_dim=4,
+                                                                          num_local_experts=4, **MOE, **kw))
+    if model == "qwen3moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            num_hidden_layers=layers, head_dim=8, num_experts=4, moe_intermediate_size=32, **MOE, **kw))
+    if model == "gemma2":
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            num_hidden_layers=layers, head_dim=4, attn_logit_softcapping=1.0, sliding_window=WINDOW, **kw))
     if model == "gpt2":
         config = mu.gpt2_config(layers)
         config.n_positions, config.use_cache = 64, not packed
@@ -254,6 +269,10 @@ EXTRAS = {
                          _left_padded, {"tp_size": 2}),
     "eval_generate": ("eval-mode loss and greedy generate() equal one process, then training, Llama, sp2", 2,
                       "llama", "plain", None, None, {}),
+    "mixtral_ep2": ("Mixtral, router loss, plain, sp2 x ep2 (dp 2 = ep 2: experts dispatched from the shards)", 4,
+                    "mixtral", "plain", None, None, {"ep_size": 2}),
+    "qwen3moe_ep2": ("Qwen3-MoE, router loss, packed, sp2 x ep2 (dp 2 = ep 2)", 4, "qwen3moe", "packed", None, None,
+                     {"ep_size": 2}),
 }
 
 
@@ -391,7 +410,10 @@ def write_doc(matrix: dict) -> None:
         "have `use_cache=False`, so transformers keeps attention inside each document.",
         "- Models (4 layers, hidden 32, vocabulary 100): Llama (8 heads, 4 kv heads), Qwen3 (8/4, q/k norms), "
         f"Mistral (8/4, `sliding_window={WINDOW}`: smaller than the row and than a rank's part of it, so the window "
-        "crosses the ring's zigzag chunks), GPT-2 (4 heads, learned absolute positions, tied head).",
+        "crosses the ring's zigzag chunks), GPT-2 (4 heads, learned absolute positions, tied head), Mixtral and "
+        "Qwen3-MoE (8/4, 4 experts top-2, the router's load-balancing loss on: `output_router_logits=True`, "
+        "`router_aux_loss_coef=1`), Gemma 2 (8/4, `attn_logit_softcapping=1` so that most scores are capped, "
+        f"`sliding_window={WINDOW}` on alternate layers, eager attention).",
         "- Layouts: sp2 on 2 ranks; sp2 x tp2, sp2 x pp2 (1F1B, 2 microbatches), sp2 x dp2 with ZeRO-1 on 4 ranks "
         "(mesh `(dp, pp, sp, tp)`).",
         "- One process isolates the packed documents (each document's logits in the packed row equal the document "
@@ -511,6 +533,21 @@ FINDINGS = [
     "fused blocks take 0.62x the hand-written ones' time (paired median, faster in 7 of 7 rounds), ring_attn reaches "
     "1.66x sp=1 at L=8192 (hand-written blocks: 0.99x on this machine, whose one process is ~1.2x slower than the "
     "2026-11-25 one's) against all_to_all's 1.78x.",
+    "- **Mixture of experts** (`shardformer/router_logits.py`, `sequence_parallel.py`). The MoE layers run on each "
+    "rank's tokens (under ep the exchange dispatches the shard's tokens), so each router sees only those; the "
+    "load-balancing loss multiplies per-expert token fractions by mean router probabilities over all tokens (padding "
+    "excluded by the full attention mask), which no sum of per-shard losses gives. Where the span gathers the "
+    "sequence back, the recorded router logits of every layer are gathered over sp in token order (zigzag for "
+    "ring_attn), so the model's own loss function sees one process's logits on every sp rank; the gather's backward "
+    "hands each rank its tokens' gradient and the router and expert weights are summed over sp like every layer "
+    "weight (under ep the experts are split before those sums are hooked, on the kept experts). One all-gather of "
+    "[tokens, experts] per MoE layer and microbatch. Without the gather the aux loss fails on padded rows (shape) "
+    "and differs on packed ones; with ep, hooking the sums before the split left the expert gradients unsummed "
+    "(92.8% of Mixtral's gate_up_proj gradient off).",
+    "- **Gemma 2's logit soft-capping under ring_attn** (`shardformer/layer/ring_blocks.py`): the scaled scores become "
+    "cap * tanh(scores / cap) before the mask, in the hand-written blocks (torch's fused kernels cannot cap); their "
+    "backward recomputes the capped scores and multiplies the scores' gradient by 1 - tanh(scores / cap)^2. Without "
+    "that factor the kernel test's gradients differ in 95% of the elements.",
     "- torch's own `context_parallel` does not run on CPU (errors above): its SDPA dispatch handles the CUDA "
     "flash / efficient / cudnn ops only; `aten._scaled_dot_product_flash_attention_for_cpu` has no DTensor sharding "
     "strategy, and the math backend mixes DTensor and plain tensors.",

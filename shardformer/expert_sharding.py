@@ -57,16 +57,16 @@ def check_expert_parallel(model: nn.Module, plan_style: Callable[[str], Optional
 
 def refuse_sequence_parallelism(model: nn.Module, plan_style: Callable[[str], Optional[ParallelStyle]],
                                 mode: str) -> None:
-    """Sequence parallelism is not supported on mixture-of-experts models yet: raise, alike on every rank, naming
-    why (before anything is sharded or any collective runs)."""
+    """Sequence parallelism "split_gather" is not supported on mixture-of-experts models: raise, alike on every rank,
+    naming why (before anything is sharded or any collective runs). "all_to_all" and "ring_attn" run the experts on
+    this rank's tokens (replicated, or split over ep) and gather the router logits (router_logits.py)."""
     found = experts_modules(model, plan_style)
-    if found:
+    if found and mode == "split_gather":
         raise NotImplementedError(
-            f"sequence_parallelism_mode={mode!r} on {type(model).__name__}, a mixture-of-experts model ('{found[0][0]}'):"
-            f" not supported yet. Under sequence parallelism each rank's router would see its part of the sequence "
-            f"only, so the router's load-balancing loss (a product of per-expert means over all tokens) would differ "
-            f"from one process, and split_gather's tensor-split experts need the whole sequence. Train it without "
-            f"sequence parallelism (tp, pp, dp and ep_size compose).")
+            f"sequence_parallelism_mode='split_gather' on {type(model).__name__}, a mixture-of-experts model "
+            f"('{found[0][0]}'): not supported. Its experts are split over the tp ranks, each computing its part of "
+            f"every expert for the same tokens, but split_gather leaves them this rank's part of the sequence. Use "
+            f"sequence_parallelism_mode='all_to_all' or 'ring_attn' (with sp_size > 1; ep_size composes).")
 
 
 def shard_experts(model: nn.Module, plan_style: Callable[[str], Optional[ParallelStyle]],

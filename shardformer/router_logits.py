@@ -21,15 +21,23 @@ Families whose aux loss uses other per-layer statistics: none in transformers 5 
 stages split (z-losses there, e.g. Bamba's, are on the LM logits of the last stage; Switch Transformers' and
 NLLB-MoE's router z-losses are encoder-decoder models without a pipeline policy). DeepSeek-V3 records router logits
 but computes no aux loss: the payload then only feeds `outputs.router_logits`.
+
+Under sequence parallelism ("all_to_all", "ring_attn") each rank's routers see its part of the sequence only, and
+the loss is not a sum of per-shard losses either (its fractions and mean probabilities are over all tokens, padding
+excluded by the full attention mask). Where the split sequence is gathered again (the span's end,
+sequence_parallel.py) every recorded logits tensor is therefore replaced by the whole sequence's, gathered over the
+sp group in token order (`replace_router_logits`): the model's own loss function then sees one process's logits on
+every sp rank, and the gather's backward hands each rank the gradient of its own tokens' logits (the routers'
+weights, which saw this rank's tokens only, are summed over the group as every replicated parameter of the span).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 from transformers.utils import output_capturing
 
-__all__ = ["ROUTER_LOGITS", "prepend_router_logits", "recorded_router_logits"]
+__all__ = ["ROUTER_LOGITS", "prepend_router_logits", "recorded_router_logits", "replace_router_logits"]
 
 ROUTER_LOGITS = "pipeline_router_logits"  # payload key between stages, and the keyword of a stage call
 _KEY = "router_logits"                    # transformers' `_can_record_outputs` key
@@ -57,3 +65,11 @@ def prepend_router_logits(received: Sequence[Tensor]) -> None:
         raise RuntimeError("This pipeline stage received the router logits of earlier stages, but its forward does "
                            "not record router logits (output_router_logits must be the same on every stage).")
     collected[:0] = list(received)
+
+
+def replace_router_logits(transform: Callable[[Tensor], Tensor]) -> None:
+    """Replace every router logits tensor the running forward has collected so far (received ones included) by
+    `transform(it)`, in place; nothing when it records none. Called inside the model's forward (a layer's hook)."""
+    collected = _collected()
+    if collected:
+        collected[:] = [transform(t) for t in collected]

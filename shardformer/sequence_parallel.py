@@ -5,7 +5,8 @@ first exit module is a norm: its parameters are per-feature vectors) the hidden 
 sequence over the tp ranks; everything before (embeddings, rotary tables, masks, positions, all computed by the
 model's own forward on the full sequence) and after (head, loss) is as with tensor parallelism alone. A forward
 pre-hook on the first layer keeps this rank's chunk (its gradient is all-gathered back) and a forward hook on the
-last split module gathers the chunks (its gradient is split); with pipeline parallelism the stages in between send
+last split module gathers the chunks (its gradient is split), and so the router logits mixture-of-experts layers
+recorded on them, for the load-balancing loss (router_logits.py); with pipeline parallelism the stages in between send
 and receive the shard. Over a group of its own ("all_to_all", "ring_attn" with sp_size > 1) the LM head and the
 model's own causal-LM loss then run on this rank's tokens again in a training forward with labels
 (sequence_loss.py). Modes:
@@ -27,6 +28,7 @@ layers run unsplit, as tensor parallelism alone (all_to_all: replicated layers).
 """
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional
@@ -40,8 +42,9 @@ from .layer.loss import TokenShard
 from .layer.ring_layout import zigzag_index
 from .layer.spec import get_tp_spec
 from .layer.replicated import sum_grad_over_tp
-from .policies.base import Colwise, KVHeads, Policy, Rowwise, SharedTailGrad, SplitParam
+from .policies.base import Colwise, Experts, KVHeads, Policy, Rowwise, SharedTailGrad, SplitParam
 from .ring_sequence import use_ring_attention
+from .router_logits import replace_router_logits
 from .sequence_loss import HeadOnShard, keep_split_through_head
 from .ulysses import SEQUENCE_DIM, use_ulysses_attention
 
@@ -136,6 +139,9 @@ def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: 
                                   f"enable_sequence_parallelism=False.")
     if mode == "all_to_all" and sp_size > 1:
         _check_heads_split(name, config, tp_size, sp_size)
+    if mode == "all_to_all":
+        _check_no_per_head_parameters(policy, name, config)
+    experts = {pattern for pattern, style in policy.tp_plan.items() if isinstance(style, Experts)}
     for pattern, style in policy.tp_plan.items():
         if not inside_layers(policy, pattern):
             continue
@@ -146,7 +152,7 @@ def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: 
         if mode == "split_gather" and isinstance(style, SharedTailGrad):
             _refuse_split_gather(f"{name} has multi-head latent attention ('{pattern}'), whose latent projections "
                                  f"read the gathered sequence outside the attention's entry")
-        if mode == "all_to_all" and isinstance(style, SplitParam):
+        if mode == "all_to_all" and isinstance(style, SplitParam) and pattern.rpartition(".")[0] not in experts:
             raise NotImplementedError(f"sequence_parallelism_mode='all_to_all': {name} has per-head parameters "
                                       f"('{pattern}') its attention reads, which the heads exchange would not "
                                       f"split; use sequence_parallelism_mode='split_gather' or 'ring_attn'.")
@@ -169,6 +175,24 @@ def _check_heads_split(name: str, config: Any, tp_size: int, sp_size: int) -> No
                              f"{sp_size} ranks, but {name} has {attr}={heads} for tp_size={tp_size}: "
                              f"tp_size * sp_size must divide it. Use another sp_size, or sequence_parallelism_mode="
                              f"'ring_attn' (any number of heads).")
+
+
+def _check_no_per_head_parameters(policy: Policy, name: str, config: Any) -> None:
+    """all_to_all hands the model's attention function 1/sp of the heads: an attention module's own per-head
+    parameter (one value per head, e.g. GPT-OSS's sinks), which that function reads whole, would not match them."""
+    heads = getattr(config, "num_attention_heads", None)
+    layers = policy.layer_list()
+    if not isinstance(heads, int) or len(layers) == 0:
+        return
+    for path, module in layers[0].named_modules():
+        if not _TOKEN_MIXERS.search(type(module).__name__):
+            continue
+        for param, p in module.named_parameters(recurse=False):
+            if p.shape == (heads,):
+                raise NotImplementedError(f"sequence_parallelism_mode='all_to_all': {name}'s attention "
+                                          f"'{policy.layers}.*.{path}' reads a per-head parameter '{param}' whole, "
+                                          f"which the heads exchange would not split; use sequence_parallelism_mode="
+                                          f"'ring_attn'.")
 
 
 def _refuse_split_gather(reason: str) -> None:
@@ -292,7 +316,8 @@ class _SplitSequence:
 
 
 class _GatherSequence:
-    """Forward hook of the span's last module: the full sequence again, in order (training mode)."""
+    """Forward hook of the span's last module: the full sequence again, in order (training mode); so are the router
+    logits the forward has recorded (mixture of experts: router_logits.py)."""
 
     def __init__(self, tokens: TokenShard) -> None:
         self.tokens = tokens
@@ -300,9 +325,25 @@ class _GatherSequence:
     def __call__(self, module: nn.Module, args: tuple, output: Any):
         if not module.training:
             return None
+        shard = output[0] if isinstance(output, tuple) else output
+        replace_router_logits(functools.partial(_gather_router_logits, tokens=self.tokens, batch=shard.shape[0],
+                                                length=shard.shape[SEQUENCE_DIM]))
         if isinstance(output, tuple):
-            return (gather_tokens(output[0], self.tokens), *output[1:])
-        return gather_tokens(output, self.tokens)
+            return (gather_tokens(shard, self.tokens), *output[1:])
+        return gather_tokens(shard, self.tokens)
+
+
+def _gather_router_logits(logits: Tensor, tokens: TokenShard, batch: int, length: int) -> Tensor:
+    """One router's logits of this rank's tokens ([batch * local length, experts], or [batch, local length,
+    experts]) -> the whole sequence's, in the same layout and token order as one process's."""
+    rows = logits.shape[:-1]
+    if tuple(rows) not in ((batch * length,), (batch, length)):
+        raise NotImplementedError(f"sequence parallelism gathers the router logits of this rank's {batch} x {length} "
+                                  f"tokens, but a router recorded logits of shape {tuple(logits.shape)}, neither "
+                                  f"[{batch * length}, experts] nor [{batch}, {length}, experts]; train this model "
+                                  f"without sequence parallelism.")
+    full = gather_tokens(logits.reshape(batch, length, logits.shape[-1]), tokens)
+    return full.reshape(-1, full.shape[-1]) if len(rows) == 1 else full
 
 
 def gather_tokens(shard: Tensor, tokens: TokenShard) -> Tensor:

@@ -76,14 +76,14 @@ class Sharder:
                                   SEQUENCE_DIM if mode == "split_gather" else None)
             self._change_attributes()
             self._use_tracker_rng()
+        if self.shard_config.ep_size > 1:  # after the tp split (its hooks run inside the exchange), before sp's
+            self.expert_params = shard_experts(self.model, self._plan_style,  # gradient sums (on the kept experts)
+                                               self.shard_config.expert_parallel_process_group)
         if mode is not None:
             self.sequence_head = apply_sequence_parallelism(
                 self.model, self.policy, span, mode, self.shard_config.sp_group,
                 own_group=self.shard_config.sequence_parallel_process_group is not None,
                 parallel_output=self.shard_config.parallel_output)
-        if self.shard_config.ep_size > 1:  # after the tp split: its hooks run inside the exchange
-            self.expert_params = shard_experts(self.model, self._plan_style,
-                                               self.shard_config.expert_parallel_process_group)
         return shared
 
     def materialize(self, device, init: bool = True) -> int:

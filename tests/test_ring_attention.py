@@ -44,12 +44,17 @@ def _reference_mask(position_ids, window=None):
     return (allowed[None] & (docs[:, :, None] == docs[:, None, :]))[:, None]
 
 
-def _reference(q, k, v, mask, sinks=None):
+def _reference(q, k, v, mask, sinks=None, softcap=None):
     """Full-sequence attention [b, h, S, d] -> [b, S, h, d]: torch sdpa (bool or -inf mask: rows without any key
     give 0), eager's formula (an additive mask of the dtype's minimum: such rows are uniform over all keys; sdpa's
-    CPU backward differs from eager there), or the GPT-OSS formula with sinks."""
+    CPU backward differs from eager there), or the GPT-OSS formula with sinks; `softcap`: Gemma 2's eager formula
+    (scores soft-capped before the mask)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    if softcap is not None:
+        scores = torch.tanh(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 / softcap) * softcap
+        scores = scores + mask if mask.is_floating_point() else scores.masked_fill(~mask, float("-inf"))
+        return (scores.softmax(-1).nan_to_num() @ v).transpose(1, 2)
     if mask.is_floating_point() and bool(mask.isfinite().all()):
         return ((q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + mask).softmax(-1) @ v).transpose(1, 2)
     if sinks is None:
@@ -85,16 +90,16 @@ def _blocks_by(tile_rows, kv_heads):
 
 
 def _check_kernel(position_ids, heads=4, kv_heads=4, window=None, sinks=False, documents="position_ids",
-                  tile_rows=None, mask=None):
+                  tile_rows=None, mask=None, softcap=None):
     """Every rank builds the same full inputs; ring attention on its zigzag shards must give the reference's output
     and gradients (gathered and unsharded). Blocks by torch's fused kernels, or with `tile_rows` by the hand-written
-    fallback in row tiles of that many queries. `mask`: a full mask given to the adapter (documents="mask"), instead
-    of the documents of `position_ids`."""
+    fallback in row tiles of that many queries (soft-capped blocks always run there). `mask`: a full mask given to
+    the adapter (documents="mask"), instead of the documents of `position_ids`."""
     with _blocks_by(tile_rows, kv_heads):
-        _compare_kernel(position_ids, heads, kv_heads, window, sinks, documents, mask)
+        _compare_kernel(position_ids, heads, kv_heads, window, sinks, documents, mask, softcap)
 
 
-def _compare_kernel(position_ids, heads, kv_heads, window, sinks, documents, mask):
+def _compare_kernel(position_ids, heads, kv_heads, window, sinks, documents, mask, softcap=None):
     world, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, S, 8, generator=g) for h in (heads, kv_heads, kv_heads))
@@ -106,12 +111,14 @@ def _compare_kernel(position_ids, heads, kv_heads, window, sinks, documents, mas
         mask = _reference_mask(position_ids if documents == "position_ids" else PLAIN, window)
     else:
         documents, window = "mask", None
-    expected = _reference(q, k, v, mask, sink)
+    expected = _reference(q, k, v, mask, sink, softcap)
     (expected * weight).sum().backward()
     local = [shard_zigzag(t.detach(), world, rank, dim=2).requires_grad_() for t in (q, k, v)]
     local_sink = sink.detach().clone().requires_grad_() if sinks else None
     module = SimpleNamespace(is_causal=True)
     extra = {"s_aux": local_sink} if sinks else {}
+    if softcap is not None:
+        extra["softcap"] = softcap
     ring = RingAttention(dist.group.WORLD, position_ids, documents=documents)
     out, _ = ring(module, *local, mask if documents == "mask" else None, sliding_window=window, **extra)
     (out * shard_zigzag(weight, world, rank, dim=1)).sum().backward()
@@ -268,6 +275,10 @@ def _two_ranks():
     _check_kernel(PLAIN, kv_heads=2, mask=_additive(left), tile_rows=5)  # eager: those rows uniform over all keys
     _check_kernel(PLAIN, mask=_additive(left, float("-inf")))  # -inf: those rows 0, as sdpa
     _check_kernel(PLAIN, mask=_padded(rights=(8, 20)))
+    # Gemma 2's logit soft-capping (cap 1: most scores are capped hard), always the hand-written blocks
+    _check_kernel(PACKED, kv_heads=2, window=9, softcap=1.0, tile_rows=5)
+    _check_kernel(PLAIN, kv_heads=2, mask=_additive(left), softcap=1.0, tile_rows=5)  # eager's uniform rows
+    _check_kernel(PLAIN, softcap=0.5, tile_rows=64)  # whole blocks, causal diagonals
     for impl in ("sdpa", "eager"):
         for case in CASES:
             _check_model(impl, case)

@@ -14,7 +14,9 @@ and two accumulators (fp32) at a time; nothing is all-gathered but sharded posit
 
 GQA: the query heads of one key/value head are multiplied against that head directly (no repeat). Attention sinks
 (GPT-OSS `s_aux`, one logit per head joining each row's softmax) are supported; the sinks' gradient is this rank's
-part (sum it over the group as for any replicated parameter). Scores, softmax and the merged output are fp32.
+part (sum it over the group as for any replicated parameter). Logit soft-capping (Gemma 2's `softcap`: scores
+become cap * tanh(scores / cap) before the mask) runs in the hand-written blocks, the tanh's slope in their backward.
+Scores, softmax and the merged output are fp32.
 
 `RingAttention` is a transformers attention function; `register_ring_attention(name, RingAttention(group))` registers it
 with sdpa's (or eager's) mask function, so that the ring reads the very mask the one-process model builds.
@@ -46,6 +48,7 @@ class RingSpec(NamedTuple):
     rank: int
     scale: float
     masks: Union[BlockMasks, ModelMask]
+    softcap: Optional[float] = None  # logit soft-capping of the scaled scores (None: none)
 
 
 # -- the ring --------------------------------------------------------------------------------------------------------
@@ -71,7 +74,7 @@ def _blocks(spec: RingSpec, step: int) -> Iterator[Tuple[int, int, Block]]:
         for ki, k_chunk in enumerate(zigzag_chunks(spec.world, source)):
             kind = spec.masks.kind(q_chunk, k_chunk)
             if kind is not BlockKind.SKIP:
-                yield qi, ki, Block(kind, spec.masks, q_chunk, k_chunk)
+                yield qi, ki, Block(kind, spec.masks, q_chunk, k_chunk, spec.softcap)
 
 
 def _heads(x: Tensor, n: HeadGroups) -> Tensor:
@@ -191,7 +194,7 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, spec: RingSpec,
     Args:
         query: [b, h, 2c, dk], key: [b, hkv, 2c, dk], value: [b, hkv, 2c, dv]: this rank's zigzag part (chunks r
             and 2*sp-1-r of c tokens), h a multiple of hkv. Differentiable in all three.
-        spec: group, its size and this rank, the softmax scale and the block masks (`RingSpec`).
+        spec: group, its size and this rank, the softmax scale, the block masks and the soft-cap (`RingSpec`).
         sinks: optional per-head sink logits [h] (GPT-OSS), differentiable (this rank's part of their gradient).
     Returns:
         [b, 2c, h, dv], this rank's zigzag part of the output (transformers' attention output layout).
@@ -260,7 +263,7 @@ class RingAttention:
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         masks = self._masks(attention_mask, sliding_window, query.shape[0], query.shape[2], world, kwargs)
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        spec = RingSpec(self.group, world, rank, scale, masks)
+        spec = RingSpec(self.group, world, rank, scale, masks, kwargs.get("softcap"))
         return _RingAttentionFn.apply(query, key, value, kwargs.get("s_aux"), spec), None
 
     def _masks(self, attention_mask: Any, window: Optional[int], batch: int, local: int, world: int,
@@ -333,7 +336,5 @@ def _check_module(module: Any, dropout: float, kwargs: dict) -> None:
     if dropout:
         raise NotImplementedError(f"ring attention has no attention dropout ({name} asks for p={dropout}); set the "
                                   f"model's attention dropout to 0 (e.g. config.attention_dropout=0.0).")
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(f"ring attention does not implement logit soft-capping ({name}).")
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise NotImplementedError(f"ring attention is causal (zigzag load balancing); {name} is bidirectional.")

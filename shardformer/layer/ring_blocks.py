@@ -7,9 +7,11 @@ Two implementations, one math:
   -inf mask (rows without any key there get log-sum-exp -inf, output 0). Key and value heads are passed as they
   are (the kernels group query heads themselves, as transformers' repeat_kv: query head h reads kv head h // g).
 - hand-written (the fallback): fp32 matmul / softmax in row tiles of at most `TILE_BYTES` of scores, for devices
-  without fused kernels, dtypes they lack, key and value head dims that differ, and blocks with rows
+  without fused kernels, dtypes they lack, key and value head dims that differ, blocks with rows
   uniform over their keys (eager's finite-minimum mask on rows without any key: scores replaced by 0, which no
-  additive mask expresses).
+  additive mask expresses), and logit soft-capping (Gemma 2's `cap * tanh(scores / cap)` before the mask, which
+  the fused kernels cannot apply; its backward multiplies the scores' gradient by the tanh's slope
+  1 - tanh(scores / cap)^2).
 Both backwards recompute the probabilities from the FINAL (global) log-sum-exp and use the final output (delta =
 rowsum(grad * output)), so the gradient contributions of the blocks sum to the exact total.
 
@@ -33,11 +35,13 @@ Mask = Optional[Tuple[Tensor, Optional[Tensor]]]  # (masked pairs [B, 1, c, c], 
 
 
 class Block(NamedTuple):
-    """One unskipped (query chunk, key chunk) product, FULL, CAUSAL or MASKED; its mask is built on demand."""
+    """One unskipped (query chunk, key chunk) product, FULL, CAUSAL or MASKED; its mask is built on demand.
+    `softcap`: the scores are soft-capped (cap * tanh(scores / cap)) before the mask (None: not)."""
     kind: BlockKind
     masks: Union[BlockMasks, ModelMask]
     q_chunk: int
     k_chunk: int
+    softcap: Optional[float] = None
 
     def mask(self, device: torch.device) -> Mask:
         return self.masks.masked(self.q_chunk, self.k_chunk, device), self.masks.uniform(self.q_chunk, device)
@@ -49,7 +53,7 @@ TILE_BYTES = {"cpu": 8 << 20, None: 256 << 20}  # hand-written path: fp32 scores
 # -- dispatch --------------------------------------------------------------------------------------------------------
 def _route(q: Tensor, v: Tensor, block: Block) -> Tuple[Optional[FusedKernels], Mask]:
     """The fused kernels for this block (None: the hand-written path) and the mask that path reads (None: none)."""
-    fused = FUSED.get(q.device.type)
+    fused = FUSED.get(q.device.type) if block.softcap is None else None
     if fused is not None and (q.dtype not in fused.dtypes or q.shape[-1] != v.shape[-1]):
         fused = None
     if block.kind is BlockKind.FULL or (fused is not None and block.kind is BlockKind.CAUSAL):
@@ -69,7 +73,7 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, block: Block) -> Tuple[Tensor
     without any key here, whose output is 0)."""
     fused, mask = _route(q, v, block)
     if fused is None:
-        return _hand_forward(q, k, v, mask)
+        return _hand_forward(q, k, v, mask, block.softcap)
     out, lse = fused.forward(q, k, v, block.kind is BlockKind.CAUSAL, _bias(mask, q.dtype))
     lse = lse.float()
     if mask is not None:  # the kernel gives a row without any key output 0 but log-sum-exp 0
@@ -84,7 +88,7 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, out: Tensor, l
     fp32 made finite (`finite`: a row without any key has no probability anywhere), `delta` = rowsum(grad * out)."""
     fused, mask = _route(q, v, block)
     if fused is None:
-        return _hand_backward(q, k, v, grad, lse, delta, mask)
+        return _hand_backward(q, k, v, grad, lse, delta, mask, block.softcap)
     return fused.backward(grad, q, k, v, out, lse, block.kind is BlockKind.CAUSAL, _bias(mask, q.dtype))
 
 
@@ -115,26 +119,33 @@ def _tile_mask(mask: Mask, positions: slice) -> Mask:
     return None if mask is None else tuple(None if m is None else m[:, :, positions] for m in mask)
 
 
-def _scores(q: Tensor, k: Tensor, mask: Mask) -> Tensor:
-    """fp32 scores [b, hkv, rows, c]; masked pairs are -inf, the other pairs of uniform rows 0 (their softmax is
-    uniform; gradients flow through the scores as in eager)."""
+def _scores(q: Tensor, k: Tensor, mask: Mask, softcap: Optional[float] = None,
+            slope: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    """fp32 scores [b, hkv, rows, c], soft-capped if `softcap`; masked pairs are -inf, the other pairs of uniform
+    rows 0 (their softmax is uniform; gradients flow through the scores as in eager). With `slope` and `softcap`,
+    also d(capped) / d(scores) = 1 - tanh(scores / cap)^2 of every pair (else None)."""
     s = torch.matmul(q, k.transpose(-1, -2)).float()
+    gain = None
+    if softcap is not None:
+        s.div_(softcap).tanh_()
+        gain = 1.0 - s * s if slope else None
+        s.mul_(softcap)
     if mask is None:
-        return s
+        return s, gain
     masked, uniform = mask
     if uniform is not None:
         s.masked_fill_(uniform, 0.0)
-    return s.masked_fill_(masked, float("-inf"))
+    return s.masked_fill_(masked, float("-inf")), gain
 
 
-def _hand_forward(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tuple[Tensor, Tensor]:
+def _hand_forward(q: Tensor, k: Tensor, v: Tensor, mask: Mask, softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
     b, h, c, dk = q.shape
     hkv = k.shape[1]
     stacked = q.reshape(b, hkv, h // hkv * c, dk)
     out = torch.empty(b, hkv, h // hkv * c, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.empty(out.shape[:-1], dtype=torch.float32, device=q.device)
     for rows, positions in _tiles(b, hkv, h // hkv, c, q.device):
-        s = _scores(stacked[:, :, rows], k, _tile_mask(mask, positions))
+        s, _ = _scores(stacked[:, :, rows], k, _tile_mask(mask, positions), softcap)
         top = finite(s.amax(dim=-1, keepdim=True))
         p = s.sub_(top).exp_()
         total = p.sum(dim=-1, keepdim=True)
@@ -144,7 +155,7 @@ def _hand_forward(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tuple[Tensor, 
 
 
 def _hand_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, lse: Tensor, delta: Tensor,
-                   mask: Mask) -> Tuple[Tensor, Tensor, Tensor]:
+                   mask: Mask, softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
     b, h, c, dk = q.shape
     hkv = k.shape[1]
     stacked = [t.reshape(b, hkv, h // hkv * c, *t.shape[3:]) for t in (q, grad, lse, delta)]
@@ -153,9 +164,11 @@ def _hand_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, lse: Tensor, d
     dvalue = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     for rows, positions in _tiles(b, hkv, h // hkv, c, q.device):
         tq, tgrad, tlse, tdelta = (t[:, :, rows] for t in stacked)
-        p = _scores(tq, k, _tile_mask(mask, positions)).sub_(tlse.unsqueeze(-1)).exp_()
+        s, gain = _scores(tq, k, _tile_mask(mask, positions), softcap, slope=True)
+        p = s.sub_(tlse.unsqueeze(-1)).exp_()
         dvalue += torch.matmul(p.to(tgrad.dtype).transpose(-1, -2), tgrad)
-        ds = torch.matmul(tgrad, v.transpose(-1, -2)).float().sub_(tdelta.unsqueeze(-1)).mul_(p).to(tq.dtype)
+        ds = torch.matmul(tgrad, v.transpose(-1, -2)).float().sub_(tdelta.unsqueeze(-1)).mul_(p)
+        ds = (ds if gain is None else ds.mul_(gain)).to(tq.dtype)
         dq[:, :, rows] = torch.matmul(ds, k)
         dkey += torch.matmul(ds.transpose(-1, -2), tq)
     return dq.view(b, h, c, dk), dkey, dvalue

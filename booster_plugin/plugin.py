@@ -135,7 +135,8 @@ class HybridParallelPlugin(HybridPluginBase):
         self.device = default_device()
         self.ctx = ParallelContext.build({"dp": dp_size, "pp": pp_size, "tp": tp_size, "ep": config.mesh.ep_size,
                                           "sp": sp_size},
-                                         timedelta(seconds=config.mesh.timeout), dp_outside=config.mesh.dp_outside)
+                                         timedelta(seconds=config.mesh.timeout), dp_outside=config.mesh.dp_outside,
+                                         sequence_over_tp=config.sharding.sp_mode is not None)
         pipe = config.pipeline
         self._stage_manager = PipelineStageManager(
             self.ctx.mesh, self.ctx.pp.index, num_model_chunks=pipe.num_model_chunks,
@@ -229,9 +230,7 @@ class HybridParallelPlugin(HybridPluginBase):
         """ColossalAI's sequence-parallel group: the sp group of its own ("all_to_all"/"ring_attn" with sp_size > 1),
         the tp group where sequence parallelism runs over tp, else a group of this rank alone (sp size 1), as in
         ColossalAI."""
-        if self.sp_mode is not None and self.ctx.sp.size == 1:
-            return self.ctx.tp.group
-        return self.ctx.sp.group
+        return self.ctx.seq.group
 
     @property
     def shard_config(self) -> ShardConfig:

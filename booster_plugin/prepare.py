@@ -28,6 +28,7 @@ from shardformer.policies import Policy, get_autopolicy
 from shardformer.policies.proven import ProvenPolicy
 from shardformer.prove import prove_policy
 from shardformer.precision import cast_to_compute_dtype
+from shardformer.shard_config import SequenceSplit
 from shardformer.sharder import ShardConfig, Sharder
 
 from .activation_checkpoint import apply_activation_checkpointing
@@ -120,8 +121,9 @@ def shard_config_of(sharding: ShardingConfig, ctx: ParallelContext, stage_manage
         pipeline_stage_manager=stage_manager if ctx.pp.size > 1 else None,
         parallel_output=sharding.parallel_output,
         make_vocab_size_divisible_by=sharding.make_vocab_size_divisible_by, rng_tracker=rng_tracker,
-        enable_sequence_parallelism=sharding.sp_mode is not None, sequence_parallelism_mode=sharding.sp_mode,
-        expert_parallel_process_group=ctx.ep.active, sequence_parallel_process_group=ctx.sp.active)
+        expert_parallel_process_group=ctx.ep.active,
+        sequence=None if sharding.sp_mode is None else SequenceSplit(sharding.sp_mode, ctx.seq.group, ctx.seq.size,
+                                                                     own_group=ctx.seq is ctx.sp))
 
 
 def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: ParallelContext,
@@ -159,7 +161,7 @@ def _sequence_split(sharding: ShardingConfig, ctx: ParallelContext) -> Tuple[int
     words: the ranks the sequence is split over (ring_attn: two chunks each)."""
     if sharding.sp_mode is None:
         return 1, ""
-    ranks, name = (ctx.sp.size, "sp_size") if ctx.sp.size > 1 else (ctx.tp.size, "tp_size")
+    ranks, name = ctx.seq.size, f"{ctx.seq.name}_size"
     if sharding.sp_mode == "ring_attn":
         return 2 * ranks, f"{name}={ranks} ranks in 2 chunks each (ring_attn)"
     return ranks, f"{name}={ranks} ranks ({sharding.sp_mode})"

@@ -10,6 +10,10 @@ ones). Without expert parallelism (ep = 1) dp and moe_dp are the same ranks, and
 Every axis always has a group (size 1 included), so consumers never re-derive sizes or ranks; `Axis.active` is the
 group where a collective along the axis does something (size > 1), else None.
 
+`seq` is not a mesh dimension but the answer, decided here once, to "which ranks split a sequence": the sp axis
+where sequence parallelism has a group of its own (sp > 1), the tp axis where it runs over tensor parallelism
+(`sequence_over_tp`), else the sp axis of size 1 (this rank alone, as ColossalAI's `sp_group` is then).
+
 The carrier is our ProcessGroupMesh, not torch's DeviceMesh: the model also needs groups over subsets of an axis
 (the pipeline stages sharing a tied weight), and every rank must create every group in the same order with the
 plugin's timeout; DeviceMesh covers whole axes only. The rank order is DeviceMesh's (row-major, the last dimension
@@ -76,10 +80,11 @@ class ParallelContext:
     ep: Axis
     moe_dp: Axis
     sp: Axis
+    seq: Axis  # the ranks a sequence is split over: sp, tp or one rank (module docstring)
 
     @classmethod
     def build(cls, sizes: Dict[str, int], timeout: Optional[timedelta] = None,
-              dp_outside: bool = True) -> "ParallelContext":
+              dp_outside: bool = True, sequence_over_tp: bool = False) -> "ParallelContext":
         """Collective: the mesh and every axis group.
 
         Args:
@@ -88,6 +93,7 @@ class ParallelContext:
             timeout: of every group's collectives.
             dp_outside: the replicas (moe_dp) outermost (default); False puts the pipeline stages outermost
                 (ColossalAI's `moe_dp_outside=False`).
+            sequence_over_tp: sequence parallelism splits the sequence over the tp group (with sp size 1).
         """
         sizes = dict(sizes)
         ep, sp = sizes.pop("ep", 1), sizes.pop("sp", 1)
@@ -106,7 +112,8 @@ class ParallelContext:
             for i in at:
                 rank, size = rank * mesh.size(i) + mesh.coordinate[i], size * mesh.size(i)
             axes[name] = Axis(name, at, mesh.get_group_along_axes(at), size, rank)
-        return cls(mesh, dims, **axes)
+        seq = axes["tp"] if sequence_over_tp and sp == 1 else axes["sp"]
+        return cls(mesh, dims, seq=seq, **axes)
 
     def group_over(self, axis: Axis, indices: Sequence[int]) -> Optional[ProcessGroup]:
         """Collective: this rank's group of the ranks at `indices` along `axis` (e.g. the stages sharing a tied weight);

@@ -89,8 +89,7 @@ def _prove(policy, cfg, sm) -> Optional[str]:
         except Exception as error:  # noqa: BLE001  (alike on every rank: no collective yet)
             return f"{what}: the unsharded twin itself fails ({_say(error)}); it cannot be proven."
         shard_cfg = replace(cfg, pipeline_stage_manager=_twin_stage_manager(sm), rng_tracker=None,
-                            enable_sequence_parallelism=False, sequence_parallelism_mode=None,
-                            expert_parallel_process_group=None, sequence_parallel_process_group=None)
+                            sequence=None, expert_parallel_process_group=None)
         sharder = Sharder(twin, twin_policy, shard_cfg)
         try:
             shared = sharder.shard()

@@ -1,8 +1,8 @@
-"""How to shard: the groups, the pipeline stage manager and the tensor-parallel options the Sharder applies."""
+"""How to shard: the groups, the pipeline stage manager, the sequence split and the options the Sharder applies."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch.distributed as dist
 
@@ -10,32 +10,49 @@ from pipeline.stage_manager import PipelineStageManager
 
 from .layer.dropout import TPRNGTracker
 
-__all__ = ["ShardConfig"]
+__all__ = ["SequenceSplit", "ShardConfig"]
+
+
+class SequenceSplit(NamedTuple):
+    """Sequence parallelism as the layout resolved it (once, in the parallel context): the mode and the ranks."""
+    mode: str                # "split_gather", "all_to_all" or "ring_attn" (sequence_parallel.py)
+    group: dist.ProcessGroup  # the ranks the sequence is split over
+    size: int
+    own_group: bool          # a group of its own (sp_size ranks), not the tp group
 
 
 @dataclass(frozen=True)
 class ShardConfig:
-    """How to shard: the tp group (None = no TP), the pipeline stage manager (None = no PP) and TP options;
-    `enable_sequence_parallelism` splits the sequence over the tp group (`sequence_parallelism_mode`
-    "split_gather", the default, or "all_to_all"; see sequence_parallel.py); the ep group splits mixture-of-experts
-    experts over ranks (expert_sharding.py)."""
+    """How to shard: the tp group (None = no TP), the pipeline stage manager (None = no PP), TP options, the
+    sequence split (None = no sequence parallelism; see sequence_parallel.py) and the ep group that splits
+    mixture-of-experts experts over ranks (expert_sharding.py). ColossalAI's names for the sequence split
+    (`enable_sequence_parallelism`, `sequence_parallelism_mode`, `sequence_parallel_process_group`) are read-only
+    views of `sequence`."""
     tensor_parallel_process_group: Optional[dist.ProcessGroup] = None
     pipeline_stage_manager: Optional[PipelineStageManager] = None
     parallel_output: bool = True
     make_vocab_size_divisible_by: int = 64
     rng_tracker: Optional[TPRNGTracker] = None
-    enable_sequence_parallelism: bool = False
-    sequence_parallelism_mode: Optional[str] = None
     expert_parallel_process_group: Optional[dist.ProcessGroup] = None  # None: experts not split over ranks
-    # sequence parallelism over a group of its own ("all_to_all", "ring_attn" with sp_size > 1); None: over tp
-    sequence_parallel_process_group: Optional[dist.ProcessGroup] = None
+    sequence: Optional[SequenceSplit] = None
+
+    @property
+    def enable_sequence_parallelism(self) -> bool:
+        return self.sequence is not None
+
+    @property
+    def sp_mode(self) -> Optional[str]:
+        """The sequence parallelism mode in effect, None without it."""
+        return None if self.sequence is None else self.sequence.mode
+
+    sequence_parallelism_mode = sp_mode
 
     @property
     def sp_group(self) -> Optional[dist.ProcessGroup]:
         """The group the sequence is split over (None without sequence parallelism)."""
-        if self.sp_mode is None:
-            return None
-        return self.sequence_parallel_process_group or self.tensor_parallel_process_group
+        return None if self.sequence is None else self.sequence.group
+
+    sequence_parallel_process_group = sp_group
 
     @property
     def ep_size(self) -> int:
@@ -46,10 +63,3 @@ class ShardConfig:
     def tp_size(self) -> int:
         group = self.tensor_parallel_process_group
         return 1 if group is None else dist.get_world_size(group)
-
-    @property
-    def sp_mode(self) -> Optional[str]:
-        """The sequence parallelism mode in effect, None without it."""
-        if not self.enable_sequence_parallelism:
-            return None
-        return self.sequence_parallelism_mode or "split_gather"

@@ -82,7 +82,7 @@ class Sharder:
         if mode is not None:
             self.sequence_head = apply_sequence_parallelism(
                 self.model, self.policy, span, mode, self.shard_config.sp_group,
-                own_group=self.shard_config.sequence_parallel_process_group is not None,
+                own_group=self.shard_config.sequence.own_group,
                 parallel_output=self.shard_config.parallel_output)
         return shared
 
@@ -111,14 +111,14 @@ class Sharder:
 
     def _sp_size(self) -> int:
         """Ranks of the sequence-parallel group of its own (1: none, the sequence is split over tp)."""
-        group = self.shard_config.sequence_parallel_process_group
-        return 1 if group is None else dist.get_world_size(group)
+        seq = self.shard_config.sequence
+        return seq.size if seq is not None and seq.own_group else 1
 
     def _replicated_layers(self, rel: str) -> bool:
         """all_to_all sequence parallelism over the tp group keeps the layers' weights whole: no tp style or
         attribute inside them (over a group of its own, tp splits them as usual)."""
-        return (self.shard_config.sp_mode == "all_to_all" and self.shard_config.sequence_parallel_process_group is None
-                and inside_layers(self.policy, rel))
+        seq = self.shard_config.sequence
+        return seq is not None and seq.mode == "all_to_all" and not seq.own_group and inside_layers(self.policy, rel)
 
     def _plan_style(self, path: str) -> Optional[ParallelStyle]:
         """The plan's style of a module, whatever sequence parallelism does to it."""

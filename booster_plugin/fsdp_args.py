@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
 
 from .colossal_args import Unacted
+from .fsdp_shard import ShardLayout
 
 __all__ = ["GEMINI_UNACTED", "FSDP1_UNACTED", "warn_unacted", "ShardLayout", "fsdp1_layout", "fsdp1_mp_policy",
            "refuse_fsdp1_options"]
@@ -70,16 +71,6 @@ def warn_unacted(plugin: str, table: Dict[str, Unacted], values: Dict[str, Any])
     if notes and dist.get_rank() == 0:
         warnings.warn(f"{plugin} ignores options that only tune speed or memory (it shards with torch FSDP2); "
                       f"results are unaffected: " + "; ".join(notes) + ".", stacklevel=3)
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """How fully_shard lays parameters out: over `replicate` x `shard` ranks (HSDP when replicate > 1) and whether
-    a layer's parameters are freed again after its forward (ZeRO-3) or kept until its backward (ZeRO-2)."""
-
-    replicate: int
-    shard: int
-    reshard_after_forward: bool = True
 
 
 def fsdp1_layout(strategy: Optional[ShardingStrategy], world: int) -> ShardLayout:

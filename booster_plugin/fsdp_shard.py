@@ -8,6 +8,7 @@ optimizer object, so an lr scheduler built on it stays valid).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -20,11 +21,20 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 from torch.distributed.fsdp.wrap import _Policy
 from torch.distributed.utils import _sync_module_states
 
-from .fsdp_args import ShardLayout
 
 __all__ = ["make_mesh", "decoder_layers", "policy_targets", "prepare_replicas", "shard_model", "rebind_optimizer"]
 
 _BROADCAST_BUCKET = 250 * 1024 * 1024  # DDP's bucket size for its own initial broadcast
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How fully_shard lays parameters out: over `replicate` x `shard` ranks (HSDP when replicate > 1) and whether
+    a layer's parameters are freed again after its forward (ZeRO-3) or kept until its backward (ZeRO-2)."""
+
+    replicate: int
+    shard: int
+    reshard_after_forward: bool = True
 
 
 def make_mesh(layout: ShardLayout, device: torch.device) -> DeviceMesh:

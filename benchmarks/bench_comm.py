@@ -201,7 +201,7 @@ def minimum(plugin, model_cfg, batch: int, seq: int, grad_bytes: int, bucket_byt
 # -- worker: one torchrun ----------------------------------------------------------------------------------------
 def worker(out_path: str) -> None:
     from booster_plugin import Booster, HybridParallelPlugin
-    from booster_plugin.grad_bucket import BUCKET_BYTES
+    from booster_plugin.core.grad_bucket import BUCKET_BYTES
 
     rank = C.init_dist(world_size=None)
     world = dist.get_world_size()

@@ -21,7 +21,7 @@ import torch
 
 from bench_pipeline import Chunk, shifted_ce
 from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin.stage_calls import chunk_calls, running_step
+from booster_plugin.core.stage_calls import chunk_calls, running_step
 
 NAME = "bench_stage_cost"
 PER = C.LAYERS // 4  # layers per chunk

@@ -18,7 +18,7 @@ first failure and kills the other ranks), with `PYTHONFAULTHANDLER=1` so a rank 
 thread's stack. `--launcher torchrun` (default) is what users run: the ranks share torchrun's agent store;
 `--launcher direct` starts the ranks itself (rank 0 then hosts the store, as with a bare `init_process_group`).
 Prints one line per run and a table of exit statuses per world size and ending; failing runs keep their logs under
-`--keep`. Exit status 0 iff every rank of every run exited 0. Without booster_plugin/clean_exit.py the abort is
+`--keep`. Exit status 0 iff every rank of every run exited 0. Without booster_plugin/guards/clean_exit.py the abort is
 rare in these jobs (the library's other exit work usually gives the gloo worker the GIL in time); the test
 tests/test_clean_exit.py runs the race where it is frequent.
 """

@@ -280,7 +280,7 @@ def extra(name: str, mode: str) -> None:
     """On every rank: the further check `name` in `mode` (raises on the first mismatch)."""
     if name == "eval_generate":
         return _eval_then_train(mode)
-    from booster_plugin.activation_checkpoint import GradientCheckpointConfig
+    from booster_plugin.core.activation_checkpoint import GradientCheckpointConfig
     from tests import model_utils as mu
     _, _, model, data, config, batch_fn, plugin_kwargs = EXTRAS[name]
     kind = register(model, data)

@@ -3,18 +3,18 @@ shardformer for training. `world_group()`: every rank in a group that carries CP
 script's world group has (`init_process_group("nccl")` has none for the CPU)."""
 from pipeline.groups import world_group
 
-from . import clean_exit  # noqa: F401  (first: its atexit hook then runs after those of the modules below)
-from .activation_checkpoint import GradientCheckpointConfig
+from .guards import clean_exit  # noqa: F401  (first: its atexit hook then runs after those of the modules below)
+from .core.activation_checkpoint import GradientCheckpointConfig
 from .booster import Booster
-from .fsdp import GeminiPlugin, TorchFSDPPlugin
-from .low_level_zero import LowLevelZeroPlugin
-from .moe_plugin import MoeHybridParallelPlugin
-from .optimizer import HybridParallelOptimizer
-from .parallel_module import HybridParallelModule
-from .plugin import HybridParallelPlugin
-from .plugin_base import DPPluginBase, Plugin
+from .plugins.fsdp import GeminiPlugin, TorchFSDPPlugin
+from .plugins.low_level_zero import LowLevelZeroPlugin
+from .plugins.moe import MoeHybridParallelPlugin
+from .core.optimizer import HybridParallelOptimizer
+from .core.parallel_module import HybridParallelModule
+from .plugins.hybrid import HybridParallelPlugin
+from .plugins.base import DPPluginBase, Plugin
 from .samplers import StatefulDistributedSampler
-from .torch_ddp import TorchDDPPlugin
+from .plugins.torch_ddp import TorchDDPPlugin
 
 __all__ = ["Booster", "Plugin", "DPPluginBase", "HybridParallelPlugin", "MoeHybridParallelPlugin", "LowLevelZeroPlugin",
            "TorchDDPPlugin", "GeminiPlugin", "TorchFSDPPlugin",

@@ -7,11 +7,11 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
 import torch
 from torch import nn
 
-from .lora import enable_lora
-from .parallel_module import HybridParallelModule
-from .plugin import HybridParallelPlugin
-from .plugin_base import BoosterCheckpointIO, Plugin
-from .torch_amp import apply_torch_amp, torch_amp
+from .core.lora import enable_lora
+from .core.parallel_module import HybridParallelModule
+from .plugins.hybrid import HybridParallelPlugin
+from .plugins.base import BoosterCheckpointIO, Plugin
+from .core.torch_amp import apply_torch_amp, torch_amp
 
 
 class Booster:

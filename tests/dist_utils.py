@@ -43,7 +43,7 @@ def _end_task() -> bool:
     group keeps threads and connections); True if a rank failure was published."""
     from torch.distributed.distributed_c10d import _world
 
-    from booster_plugin.failure import _KEY, FailureGuard, default_store
+    from booster_plugin.guards.failure import _KEY, FailureGuard, default_store
     if FailureGuard._shared is not None:
         FailureGuard._shared.close()
         FailureGuard._shared = None

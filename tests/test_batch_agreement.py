@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin.checkpoint_io import CheckpointError
+from booster_plugin.compat.checkpoint_io import CheckpointError
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 

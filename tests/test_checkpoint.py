@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2LMHeadM
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.checkpoint import format as ckpt_format
 from booster_plugin.checkpoint import jobs as ckpt_jobs
-from booster_plugin.checkpoint_io import CheckpointError
+from booster_plugin.compat.checkpoint_io import CheckpointError
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 

@@ -1,4 +1,4 @@
-"""A finished job exits 0 on every rank without `destroy_process_group()` (booster_plugin/clean_exit.py).
+"""A finished job exits 0 on every rank without `destroy_process_group()` (booster_plugin/guards/clean_exit.py).
 
 The race it closes: a gloo worker thread frees the tensors of the script's last collective after the main thread has
 started finalizing the interpreter, and aborts the process (`terminate called without an active exception`). The

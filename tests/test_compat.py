@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin.colossal_args import UNACTED_ARGS
+from booster_plugin.compat.colossal_args import UNACTED_ARGS
 from booster_plugin.compat import DistCoordinator, HybridAdam, LazyInitContext, get_accelerator, set_seed
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed

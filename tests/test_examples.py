@@ -61,7 +61,7 @@ def test_plugin_initializes_distributed_from_torchrun(tmp_path):
 
 def test_plugin_without_distributed_environment_says_how_to_launch(monkeypatch):
     import torch.distributed as dist
-    from booster_plugin.launch import ensure_distributed
+    from booster_plugin.guards.launch import ensure_distributed
 
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from transformers import LlamaForCausalLM
 
 from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin.lora import enable_lora
+from booster_plugin.core.lora import enable_lora
 from shardformer.lora_sharding import LoRAShardingError
 from tests import model_utils as mu
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from booster_plugin import Booster, GradientCheckpointConfig, HybridParallelPlugin
-from booster_plugin.mixed_precision import DynamicLossScaler, LossScalerConfig
+from booster_plugin.core.mixed_precision import DynamicLossScaler, LossScalerConfig
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 

@@ -233,7 +233,7 @@ def test_vision_language_and_speech_models_train_exactly_under_tp_and_pp(tmp_pat
 def test_images_split_into_microbatches_with_their_samples():
     """Qwen2.5-VL's patches (rows per image: t*h*w of its grid) and LLaVA's images go with the samples whose
     placeholder tokens they fill; a microbatch without images gets no pixel values."""
-    from booster_plugin.microbatches import split_batch
+    from booster_plugin.core.microbatches import split_batch
     for kind in ("qwen2_5_vl", "llava"):
         batch = mu.make_batch(kind, 6, seed=1)  # samples hold 0, 1, 2, 0, 1, 2 images
         parts = split_batch(batch, 3, None, mu.RAGGED[kind])
@@ -250,7 +250,7 @@ def test_images_split_into_microbatches_with_their_samples():
 
 
 def test_placeholders_that_do_not_make_whole_images_are_refused():
-    from booster_plugin.microbatches import split_batch
+    from booster_plugin.core.microbatches import split_batch
     batch = mu.make_batch("qwen2_5_vl", 4, seed=1)
     batch["input_ids"][1, 2] = 5  # one placeholder of sample 1's image replaced by text
     with pytest.raises(ValueError, match="do not add up to whole images"):

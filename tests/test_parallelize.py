@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin.parallelize import ParallelizedModel, _sizes, parallelize
+from booster_plugin.compat.parallelize import ParallelizedModel, _sizes, parallelize
 from pipeline import ProcessGroupMesh
 from shardformer.policies.from_paddle import (ColWiseParallel, RowWiseParallel, SequenceParallelBegin, SplitPoint,
                                               resolve_plan, resolve_split)

@@ -7,8 +7,8 @@ import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.compat import PipelineGraph, ScheduledNode
-from booster_plugin.microbatches import split_batch
-from booster_plugin.v_schedule import fingerprint, nodes_to_schedule
+from booster_plugin.core.microbatches import split_batch
+from booster_plugin.compat.v_schedule import fingerprint, nodes_to_schedule
 from pipeline import PipelineStageManager
 from pipeline.actions import B, F, I, Action, add_communication
 from pipeline.layout import V, StageLayout

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin.mixed_precision import MAX_SKIPS_AT_MIN_SCALE
+from booster_plugin.core.mixed_precision import MAX_SKIPS_AT_MIN_SCALE
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 

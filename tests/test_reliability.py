@@ -380,7 +380,7 @@ def _collective_on_one_rank_default_timeout(tmp_dir: str):
     """With the default timeout (600 s, not torch's 30 minutes) the call still fails within the arrival window
     (ARRIVAL_TIMEOUT_S, 60 s; 2 s here), and the rank that never called it learns why at its next step."""
     from booster_plugin import plugin as plugin_module
-    from booster_plugin.failure import RankFailure
+    from booster_plugin.guards.failure import RankFailure
 
     plugin_module.ARRIVAL_TIMEOUT_S = 2.0
     plugin = HybridParallelPlugin(tp_size=2, num_microbatches=2)
@@ -408,7 +408,7 @@ FAILING_STEP = """
 import time, torch, torch.distributed as dist
 dist.init_process_group("cuda:gloo")  # as a GPU script's "nccl": a world group without a CPU backend
 from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin.failure import RankFailure
+from booster_plugin.guards.failure import RankFailure
 from tests import model_utils as mu
 torch.set_num_threads(1)
 booster = Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2))

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
-from booster_plugin.stage_calls import PipelineCallError
+from booster_plugin.core.stage_calls import PipelineCallError
 from shardformer.lora_sharding import LoRAShardingError
 from shardformer.policies import Colwise
 from tests import model_utils as mu
@@ -231,7 +231,7 @@ def test_config_digest_ignores_nested_key_order():
     """A config that builds a nested dict from a set (order follows each process's hash seed) digests alike."""
     import json
 
-    from booster_plugin.usage_checks import _canonical
+    from booster_plugin.plugins.usage_checks import _canonical
     one = {"rope_parameters": {"sliding": {"theta": 1}, "full": {"theta": 2}}, "id2label": {0: "a", 1: "b"}}
     two = {"id2label": {1: "b", 0: "a"}, "rope_parameters": {"full": {"theta": 2}, "sliding": {"theta": 1}}}
     assert json.dumps(_canonical(one)) == json.dumps(_canonical(two))

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..torch_amp import AMPModule
+from ..core.torch_amp import AMPModule
 
-from ..optimizer_wrapper import OptimizerWrapper
+from ..core.optimizer_wrapper import OptimizerWrapper
 from .atomic import replace_file, resolve_dir, swap_into_place
 from .context import CheckpointContext
 from .format import TORCH_SUFFIXES, Entry, from_json, read_json, to_json, write_json, write_tensor_file

@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from ..fsdp_model import fsdp_module, hf_class_name
-from ..optimizer_guard import boosted_step
-from ..optimizer_wrapper import OptimizerWrapper
+from ..fsdp.model import fsdp_module, hf_class_name
+from ..guards.optimizer_guard import boosted_step
+from ..core.optimizer_wrapper import OptimizerWrapper
 from .atomic import replace_file, resolve_dir, swap_into_place
 from .ddp_io import OPTIMIZER_JSON, OPTIMIZER_TENSORS, TorchDDPCheckpointIO, _no_commit, _tied_targets, read_state
 from .format import (TORCH_SUFFIXES, Entry, from_json, read_json, to_json, write_json,

@@ -15,7 +15,7 @@ from pipeline.groups import world_group
 
 from shardformer.layer.spec import gather_tensor, get_tp_spec, unshard
 
-from ..parallel_module import HybridParallelModule
+from ..core.parallel_module import HybridParallelModule
 from .context import CheckpointContext
 from .format import DTYPE_CODE, DTYPES, Entry
 from .jobs import CheckpointError

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..optimizer import HybridParallelOptimizer
-from ..parallel_module import HybridParallelModule
+from ..core.optimizer import HybridParallelOptimizer
+from ..core.parallel_module import HybridParallelModule
 from .context import CheckpointContext
 from .jobs import agree, describe, synchronize
 from .lora import save_lora_as_pretrained

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from pipeline.groups import world_group
 
-from ..failure import default_store
+from ..guards.failure import default_store
 from .atomic import discard
 
 _MESSAGE_BYTES = 2048

@@ -16,8 +16,8 @@ from typing import Dict
 import torch
 from torch import nn
 
-from ..lora import LoRAState
-from ..parallel_module import HybridParallelModule
+from ..core.lora import LoRAState
+from ..core.parallel_module import HybridParallelModule
 from .atomic import swap_into_place
 from .context import CheckpointContext
 from .format import Entry, write_tensor_file

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict
 
-from ..lora import checkpoint_key
-from ..parallel_module import HybridParallelModule
+from ..core.lora import checkpoint_key
+from ..core.parallel_module import HybridParallelModule
 from .format import TORCH_SUFFIXES
 
 SAFE_WEIGHTS_NAME = "model.safetensors"

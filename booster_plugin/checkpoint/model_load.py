@@ -13,7 +13,7 @@ from torch import nn
 
 from shardformer.layer.spec import get_tp_spec, shard_from, shard_tensor
 
-from ..parallel_module import HybridParallelModule
+from ..core.parallel_module import HybridParallelModule
 from .atomic import resolve_dir
 from .context import CheckpointContext
 from .format import TORCH_SUFFIXES, open_tensor_file, read_json

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..parallel_module import HybridParallelModule
+from ..core.parallel_module import HybridParallelModule
 from .atomic import replace_file, swap_into_place
 from .context import CheckpointContext
 from .format import CHECKSUM_KEY, TORCH_SUFFIXES, Entry, file_checksums, write_json, write_tensor_file

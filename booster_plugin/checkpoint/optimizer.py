@@ -12,8 +12,8 @@ import torch
 
 from shardformer.layer.spec import TPSpec
 
-from ..optimizer import HybridParallelOptimizer
-from ..parallel_module import HybridParallelModule
+from ..core.optimizer import HybridParallelOptimizer
+from ..core.parallel_module import HybridParallelModule
 
 OPTIMIZER_INDEX_NAME = "optimizer.index.json"
 

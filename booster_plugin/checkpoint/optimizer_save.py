@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from shardformer.layer.spec import get_tp_spec
 
-from ..optimizer import HybridParallelOptimizer
+from ..core.optimizer import HybridParallelOptimizer
 from .atomic import swap_into_place
 from .context import CheckpointContext
 from .gather import gather_experts

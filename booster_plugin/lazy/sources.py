@@ -18,7 +18,7 @@ from torch import Tensor
 from shardformer.layer.spec import TPSpec, fill_shard, shard_ranges
 
 from ..checkpoint.format import SafetensorsFile
-from ..lora import checkpoint_key
+from ..core.lora import checkpoint_key
 from .tape import Replay
 
 __all__ = ["TensorSource", "CheckpointSources", "InitSources", "same_values"]

@@ -1,7 +1,7 @@
 """`colossalai.shardformer`: its activation-checkpointing configurations, with ColossalAI's defaults."""
 from dataclasses import dataclass
 
-from booster_plugin.activation_checkpoint import GradientCheckpointConfig as _GradientCheckpointConfig
+from booster_plugin.core.activation_checkpoint import GradientCheckpointConfig as _GradientCheckpointConfig
 
 __all__ = ["GradientCheckpointConfig", "PipelineGradientCheckpointConfig"]
 

@@ -2,7 +2,7 @@
 others)."""
 from booster_plugin import (DPPluginBase, HybridParallelPlugin, LowLevelZeroPlugin, MoeHybridParallelPlugin, Plugin,
                             TorchDDPPlugin)
-from booster_plugin.fsdp import GeminiPlugin, TorchFSDPPlugin
+from booster_plugin.plugins.fsdp import GeminiPlugin, TorchFSDPPlugin
 
 __all__ = ["DPPluginBase", "HybridParallelPlugin", "LowLevelZeroPlugin", "MoeHybridParallelPlugin", "Plugin",
            "TorchDDPPlugin", "GeminiPlugin", "TorchFSDPPlugin"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .plugin import HybridParallelPlugin
+from .hybrid import HybridParallelPlugin
 
 __all__ = ["MoeHybridParallelPlugin"]
 

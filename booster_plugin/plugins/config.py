@@ -6,7 +6,7 @@ one place) into a few small frozen parts, before any collective, so that bad inp
       pipeline  PipelineConfig   schedule style, microbatching, layer split, P2P, trace, token weights
       sharding  ShardingConfig   policy, vocab-parallel output, sequence parallelism, dropout seed, checkpointing
       precision PrecisionConfig  dtype, ZeRO, clipping, fp16 loss scaler, non-finite gradients, DP buckets
-      check_batches              the per-step batch agreement (booster_plugin/batch_check.py)
+      check_batches              the per-step batch agreement (booster_plugin/guards/batch_check.py)
 """
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from shardformer.policies.from_parallelformers import as_policy
 from shardformer.policies import Policy
 from shardformer.sequence_parallel import SEQUENCE_PARALLEL_MODES, resolve_mode
 
-from .activation_checkpoint import GradientCheckpointConfig
-from .colossal_args import check_unacted_args
-from .launch import DEFAULT_TIMEOUT_S, alias, check_int
-from .mixed_precision import LossScalerConfig
-from .v_schedule import fingerprint, schedule_from_nodes
+from ..core.activation_checkpoint import GradientCheckpointConfig
+from ..compat.colossal_args import check_unacted_args
+from ..guards.launch import DEFAULT_TIMEOUT_S, alias, check_int
+from ..core.mixed_precision import LossScalerConfig
+from ..compat.v_schedule import fingerprint, schedule_from_nodes
 
 __all__ = ["PRECISIONS", "MeshConfig", "PipelineConfig", "ShardingConfig", "PrecisionConfig", "PluginConfig"]
 

@@ -1,4 +1,7 @@
-"""What ColossalAI scripts import besides the Booster and the plugin, so that they port by changing imports only:
+"""The compatibility edge (the core imports nothing from it): ColossalAI's argument tables (colossal_args.py,
+fsdp_args.py), its zero-bubble node API (v_schedule.py), the Paddle-style front-end (parallelize.py), the old
+`checkpoint_io` name, and here what ColossalAI scripts import besides the Booster and the plugin, so that they port
+by changing imports only:
 
 | ColossalAI                                   | here                                         |
 |----------------------------------------------|----------------------------------------------|
@@ -29,8 +32,8 @@ import torch.distributed as dist
 
 from pipeline.groups import world_group
 
-from .launch import default_device, ensure_distributed
-from .lazy import LazyInitContext
+from ..guards.launch import default_device, ensure_distributed
+from ..lazy import LazyInitContext
 from .v_schedule import PipelineGraph, ScheduledNode
 
 __all__ = ["DistCoordinator", "HybridAdam", "LazyInitContext", "PipelineGraph", "ScheduledNode", "get_accelerator",

@@ -21,17 +21,17 @@ from pipeline.trace import ScheduleTracer
 from shardformer.policies import Policy
 from shardformer.shard_config import ShardConfig
 
-from .activation_checkpoint import GradientCheckpointConfig
-from .batch_check import BatchLimits, agree_on_batch, batch_agreed
+from ..core.activation_checkpoint import GradientCheckpointConfig
+from ..guards.batch_check import BatchLimits, agree_on_batch, batch_agreed
 from .config import PluginConfig
-from .failure import FailureGuard
+from ..guards.failure import FailureGuard
 from .hybrid_base import HybridPluginBase
-from .launch import ARRIVAL_TIMEOUT_S, agree_on_layout, arrival_barrier, default_device, ensure_distributed
-from .microbatches import MicrobatchSplit, token_weighted_scales, without_empty_microbatches
-from .optimizer import HybridParallelOptimizer
-from .parallel_module import HybridParallelModule
+from ..guards.launch import ARRIVAL_TIMEOUT_S, agree_on_layout, arrival_barrier, default_device, ensure_distributed
+from ..core.microbatches import MicrobatchSplit, token_weighted_scales, without_empty_microbatches
+from ..core.optimizer import HybridParallelOptimizer
+from ..core.parallel_module import HybridParallelModule
 from .prepare import PrepareOptions, prepare_model, shard_config_of
-from .stage_calls import chunk_calls, running_step
+from ..core.stage_calls import chunk_calls, running_step
 from .usage_checks import check_batch_content, check_criterion, check_step_arguments
 
 
@@ -72,7 +72,7 @@ class HybridParallelPlugin(HybridPluginBase):
         enable_metadata_cache: send P2P shapes only when they change.
         ddp_bucket_cap_mb: size of the data-parallel gradient buckets.
         p2p_transport: "p2p" (batched isend/irecv) or "broadcast".
-        scheduler_nodes: ColossalAI's zbv order (`PipelineGraph(...).get_v_schedule()`, booster_plugin/v_schedule.py),
+        scheduler_nodes: ColossalAI's zbv order (`PipelineGraph(...).get_v_schedule()`, booster_plugin/compat/v_schedule.py),
             run as given; default: ours.
         pp_schedule_costs: "unit" (default: the V styles' order generated for equal F, I, W times; bitwise
             reproducible) or "measured" (zbv and dualpipev re-plan their order for the compute times of their first
@@ -257,7 +257,7 @@ class HybridParallelPlugin(HybridPluginBase):
 
     # -- boosting ---------------------------------------------------------------------------------------
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
-        """Boost: shard `model` for this rank and wrap it and `optimizer` (booster_plugin/prepare.py)."""
+        """Boost: shard `model` for this rank and wrap it and `optimizer` (booster_plugin/plugins/prepare.py)."""
         opts = PrepareOptions(self.config.sharding, self._precision_in_effect, self.config.pipeline.style,
                               self.config.check_batches, self.device)
         module, optimizer = prepare_model(model, optimizer, opts, self.ctx, self._stage_manager, self.failure_guard,

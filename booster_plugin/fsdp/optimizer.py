@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .mixed_precision import DynamicLossScaler
-from .optimizer_guard import boosted_step
-from .optimizer_wrapper import OptimizerWrapper
+from ..core.mixed_precision import DynamicLossScaler
+from ..guards.optimizer_guard import boosted_step
+from ..core.optimizer_wrapper import OptimizerWrapper
 
 __all__ = ["FSDPOptimizerWrapper", "GeminiOptimizer", "full_value"]
 

@@ -1,4 +1,4 @@
 """Compatibility name: the checkpoint code lives in the `booster_plugin.checkpoint` package."""
-from .checkpoint import CheckpointError, HybridParallelCheckpointIO
+from ..checkpoint import CheckpointError, HybridParallelCheckpointIO
 
 __all__ = ["CheckpointError", "HybridParallelCheckpointIO"]

@@ -20,19 +20,19 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, CPUOffloadPoli
                                     MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy)
 from torch.utils.data import DataLoader
 
-from .checkpoint.ddp_io import ddp_context
-from .colossal_args import Unacted
-from .checkpoint.fsdp_io import FSDPCheckpointIO
-from .fsdp_args import (FSDP1_UNACTED, GEMINI_UNACTED, ShardLayout, fsdp1_layout, fsdp1_mp_policy,
+from ..checkpoint.ddp_io import ddp_context
+from ..compat.colossal_args import Unacted
+from ..checkpoint.fsdp_io import FSDPCheckpointIO
+from ..compat.fsdp_args import (FSDP1_UNACTED, GEMINI_UNACTED, ShardLayout, fsdp1_layout, fsdp1_mp_policy,
                         refuse_fsdp1_options, warn_unacted)
-from .fsdp_model import FSDPModel
-from .fsdp_optimizer import FSDPOptimizerWrapper, GeminiOptimizer
-from .fsdp_shard import (decoder_layers, make_mesh, parameter_names, policy_targets, prepare_replicas,
+from ..fsdp.model import FSDPModel
+from ..fsdp.optimizer import FSDPOptimizerWrapper, GeminiOptimizer
+from ..fsdp.shard import (decoder_layers, make_mesh, parameter_names, policy_targets, prepare_replicas,
                          rebind_optimizer, shard_model)
-from .launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
-from .mixed_precision import DynamicLossScaler, LossScalerConfig
-from .optimizer_guard import guard_parameters
-from .plugin_base import WorldDPPluginBase
+from ..guards.launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
+from ..core.mixed_precision import DynamicLossScaler, LossScalerConfig
+from ..guards.optimizer_guard import guard_parameters
+from .base import WorldDPPluginBase
 
 __all__ = ["FSDPPluginBase", "GeminiPlugin", "TorchFSDPPlugin"]
 

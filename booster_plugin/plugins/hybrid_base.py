@@ -8,14 +8,14 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointContext, HybridParallelCheckpointIO
-from .plugin_base import DPPluginBase
+from ..checkpoint import CheckpointContext, HybridParallelCheckpointIO
+from .base import DPPluginBase
 
 __all__ = ["HybridPluginBase"]
 
 
 class HybridPluginBase(DPPluginBase):
-    """DPPluginBase for models boosted into a HybridParallelModule (booster_plugin/prepare.py)."""
+    """DPPluginBase for models boosted into a HybridParallelModule (booster_plugin/plugins/prepare.py)."""
 
     pp_size: int  # the subclass's pipeline size
 

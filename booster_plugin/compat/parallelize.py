@@ -27,9 +27,9 @@ from torch import nn
 from pipeline import ProcessGroupMesh
 from shardformer.policies.from_paddle import PaddlePlanPolicy, resolve_plan, resolve_split
 
-from .booster import Booster
-from .launch import ensure_distributed
-from .plugin import HybridParallelPlugin
+from ..booster import Booster
+from ..guards.launch import ensure_distributed
+from ..plugins.hybrid import HybridParallelPlugin
 
 _CONFIG_KEYS = {"dp_config": {"sharding_level"}, "mp_config": {"parallelize_plan", "divide_attributes"},
                 "pp_config": {"split_spec", "accumulate_steps", "global_spec"}}

@@ -14,10 +14,10 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from .batch_check import BatchLimits
-from .launch import agree_on_values
-from .optimizer import HybridParallelOptimizer
-from .parallel_module import HybridParallelModule
+from ..guards.batch_check import BatchLimits
+from ..guards.launch import agree_on_values
+from ..core.optimizer import HybridParallelOptimizer
+from ..core.parallel_module import HybridParallelModule
 
 __all__ = ["refuse_boosted_twice", "remember_boosted", "agree_on_model", "check_step_arguments", "check_criterion",
            "check_batch_content"]

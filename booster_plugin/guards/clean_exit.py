@@ -119,7 +119,7 @@ def _initialized() -> bool:
 
 def _stop_threads() -> None:
     """The failure guard's watchdog and the background checkpoint savers (both joined, bounded)."""
-    failure = sys.modules.get("booster_plugin.failure")
+    failure = sys.modules.get("booster_plugin.guards.failure")
     guard = getattr(getattr(failure, "FailureGuard", None), "_shared", None)
     if guard is not None:
         guard.close()
@@ -134,7 +134,7 @@ def _failed() -> bool:
     watchdog also reports the store's host (rank 0 without torchrun) exiting after a successful job."""
     if getattr(sys, "last_value", None) is not None:
         return True
-    failure = sys.modules.get("booster_plugin.failure")
+    failure = sys.modules.get("booster_plugin.guards.failure")
     guard = getattr(getattr(failure, "FailureGuard", None), "_shared", None)
     text = getattr(guard, "_failure", None)
     return bool(text) and text.startswith(f"rank {guard.rank} ")

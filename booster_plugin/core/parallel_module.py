@@ -15,14 +15,14 @@ from torch import nn
 from pipeline.context import ParallelContext
 from shardformer.layer.spec import get_tp_spec
 
-from .failure import FailureGuard
+from ..guards.failure import FailureGuard
 from .grad_bucket import BUCKET_BYTES, GradBucket, ReduceAxis, broadcast_params, make_buckets
 
 if TYPE_CHECKING:
     from shardformer.policies import Policy
     from shardformer.sequence_loss import HeadOnShard
 
-    from .batch_check import BatchLimits
+    from ..guards.batch_check import BatchLimits
     from .lora import LoRAState
 
 

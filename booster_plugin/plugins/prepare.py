@@ -31,19 +31,19 @@ from shardformer.precision import cast_to_compute_dtype
 from shardformer.shard_config import SequenceSplit
 from shardformer.sharder import ShardConfig, Sharder
 
-from .activation_checkpoint import apply_activation_checkpointing
-from .batch_check import BatchLimits, DirectCallCheck, label_vocab_of, vocab_of
+from ..core.activation_checkpoint import apply_activation_checkpointing
+from ..guards.batch_check import BatchLimits, DirectCallCheck, label_vocab_of, vocab_of
 from .config import PrecisionConfig, ShardingConfig
-from .failure import FailureGuard
-from .lora import LoRAState, adapter_file_keys, materialize_adapters, split_peft_model
-from .mixed_precision import DynamicLossScaler
-from .optimizer import HybridParallelOptimizer
+from ..guards.failure import FailureGuard
+from ..core.lora import LoRAState, adapter_file_keys, materialize_adapters, split_peft_model
+from ..core.mixed_precision import DynamicLossScaler
+from ..core.optimizer import HybridParallelOptimizer
 from .optimizer_carry import carry_state, unsharded_state
-from .optimizer_guard import guard_parameters
-from .parallel_module import HybridParallelModule, ModelInfo, SharedParam
-from .stage_calls import refuse_calls_outside_schedule
+from ..guards.optimizer_guard import guard_parameters
+from ..core.parallel_module import HybridParallelModule, ModelInfo, SharedParam
+from ..core.stage_calls import refuse_calls_outside_schedule
 from .usage_checks import agree_on_model, refuse_boosted_twice, remember_boosted
-from .zero import ZeroOptimizer, check_zero_optimizer
+from ..core.zero import ZeroOptimizer, check_zero_optimizer
 
 __all__ = ["PrepareOptions", "prepare_model", "shard_config_of"]
 

@@ -12,9 +12,9 @@ import torch
 from pipeline.context import ParallelContext
 from shardformer.layer.spec import get_tp_spec, shard_tensor
 
-from .checkpoint.optimizer import optimizer_parts
-from .checkpoint.optimizer_load import Loaded, apply_optimizer
-from .optimizer import HybridParallelOptimizer
+from ..checkpoint.optimizer import optimizer_parts
+from ..checkpoint.optimizer_load import Loaded, apply_optimizer
+from ..core.optimizer import HybridParallelOptimizer
 
 StateByName = Dict[str, Dict[str, Any]]
 

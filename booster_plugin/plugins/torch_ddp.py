@@ -14,11 +14,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from .checkpoint.ddp_io import TorchDDPCheckpointIO, ddp_context
-from .launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
-from .optimizer_wrapper import OptimizerWrapper
-from .plugin_base import WorldDPPluginBase
-from .torch_amp import AMPModule
+from ..checkpoint.ddp_io import TorchDDPCheckpointIO, ddp_context
+from ..guards.launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
+from ..core.optimizer_wrapper import OptimizerWrapper
+from .base import WorldDPPluginBase
+from ..core.torch_amp import AMPModule
 
 __all__ = ["TorchDDPPlugin", "OptimizerWrapper"]
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
 
 from .colossal_args import Unacted
-from .fsdp_shard import ShardLayout
+from ..fsdp.shard import ShardLayout
 
 __all__ = ["GEMINI_UNACTED", "FSDP1_UNACTED", "warn_unacted", "ShardLayout", "fsdp1_layout", "fsdp1_mp_policy",
            "refuse_fsdp1_options"]

@@ -14,7 +14,7 @@ from torch import nn
 from shardformer.layer.spec import get_tp_spec
 
 from .mixed_precision import MAX_SKIPS_AT_MIN_SCALE, DynamicLossScaler, nonfinite_stages
-from .optimizer_guard import boosted_step
+from ..guards.optimizer_guard import boosted_step
 from .parallel_module import HybridParallelModule
 
 __all__ = ["HybridParallelOptimizer", "global_norm"]

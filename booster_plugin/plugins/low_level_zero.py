@@ -1,6 +1,6 @@
 """LowLevelZeroPlugin: ColossalAI 0.5's ZeRO data-parallel plugin, as HybridParallelPlugin(tp=1, pp=1,
 zero_stage=stage): the model replicated, optimizer state (stage 1) and gradients (stage 2) partitioned over the world
-by our ZeRO (booster_plugin/zero.py)."""
+by our ZeRO (booster_plugin/core/zero.py)."""
 from __future__ import annotations
 
 import warnings
@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .plugin import HybridParallelPlugin
+from .hybrid import HybridParallelPlugin
 
 __all__ = ["LowLevelZeroPlugin"]
 

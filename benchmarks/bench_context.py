@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from bench_memory import SavedTensorMeter
-from shardformer.layer import ring_blocks
+from shardformer.sequence import ring_blocks
 
 NAME = "context"
 MODEL = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,

@@ -39,7 +39,7 @@ Checked and reported:
   - the losses of all layouts agree at every step (the same weights, the same batches);
   - expert parameter bytes per rank: the parameters of every layer's `mlp.experts` module on each rank, against one
     process's (must be exactly 1/ep for ep, 1/tp for tp);
-  - all-to-all bytes per ep step from shardformer.layer.expert_parallel.TRAFFIC (token activations sent to the
+  - all-to-all bytes per ep step from shardformer.expert.dispatch.TRAFFIC (token activations sent to the
     other rank by dispatch and combine, forward and backward, summed over ranks) against the minimum computed from
     the routing alone, independently of the exchange's code: for every MoE layer and token, the number of distinct
     ranks other than the token's own among the ranks holding its top-k experts (expert e lives on rank
@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
-from shardformer.layer import expert_parallel as EP
+from shardformer.expert import dispatch as EP
 
 NAME = "moe"
 WORLD = 2

@@ -23,9 +23,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from shardformer.layer import ring_blocks  # noqa: E402
-from shardformer.layer.ring_attention import RingAttention  # noqa: E402
-from shardformer.layer.ring_layout import shard_zigzag  # noqa: E402
+from shardformer.sequence import ring_blocks  # noqa: E402
+from shardformer.sequence.ring_attention import RingAttention  # noqa: E402
+from shardformer.sequence.ring_layout import shard_zigzag  # noqa: E402
 
 HEADS, HEAD_DIM = 4, 64
 

@@ -477,7 +477,7 @@ def render_benchmarks() -> list:
         out += ["", f"With a vocabulary of 32000 (`--vocab 32000 --name context_vocab32000`, "
                 f"`benchmarks/results/context_vocab32000.json`) the ratio is {ratios['ring_attn']} (ring_attn), "
                 f"{ratios['all_to_all']} (all_to_all): the LM head, the logits and the loss run on each rank's tokens "
-                "(`shardformer/sequence_loss.py`), so they are split over sp too."]
+                "(`shardformer/sequence/loss.py`), so they are split over sp too."]
     out += ["", "**Longest measured power-of-two length whose activations fit a per-rank budget**", "",
             "| budget | sp=1 | ring_attn | all_to_all |", "|---|---|---|---|"]
     for budget, v in r["longest_length_under_activation_budget"].items():
@@ -510,7 +510,7 @@ def render_benchmarks() -> list:
 
 
 FINDINGS = [
-    "- **Head and loss on each rank's tokens** (`shardformer/sequence_loss.py`). With an sp group of its own, a "
+    "- **Head and loss on each rank's tokens** (`shardformer/sequence/loss.py`). With an sp group of its own, a "
     "training forward with labels runs `lm_head`, the logits and the model's causal-LM loss on each rank's tokens: "
     "the span's end still gathers the hidden states (the model's code after the final norm sees one process's shapes, "
     "e.g. GPT-2's view), the head takes this rank's tokens again (a copy: the gathered tensor is not kept for "
@@ -521,7 +521,7 @@ FINDINGS = [
     "per layer for `o_proj` (all_to_all's exchange back; ring attention's output relayout) and, with ring_attn, the "
     "saved scaled queries and packed key/value copy in place of sdpa's q, k, v. 476.5 (half of sp=1) + 20 = 496.5 "
     "MiB, the measured 496.8 (ring_attn) and 496.6 (all_to_all).",
-    "- **ring_attn's blocks run in torch's fused CPU attention kernel** (`shardformer/layer/ring_blocks.py`: "
+    "- **ring_attn's blocks run in torch's fused CPU attention kernel** (`shardformer/sequence/ring_blocks.py`: "
     "`_scaled_dot_product_flash_attention_for_cpu` and its backward, which return / take the log-sum-exp; diagonal "
     "blocks as is_causal, so their upper triangle is not computed; masked blocks with an additive mask; each block's "
     "backward with the final output and log-sum-exp, so the blocks' gradients sum to the exact total). Before, its "
@@ -533,7 +533,7 @@ FINDINGS = [
     "fused blocks take 0.62x the hand-written ones' time (paired median, faster in 7 of 7 rounds), ring_attn reaches "
     "1.66x sp=1 at L=8192 (hand-written blocks: 0.99x on this machine, whose one process is ~1.2x slower than the "
     "2026-11-25 one's) against all_to_all's 1.78x.",
-    "- **Mixture of experts** (`shardformer/router_logits.py`, `sequence_parallel.py`). The MoE layers run on each "
+    "- **Mixture of experts** (`shardformer/expert/router_logits.py`, `sequence_parallel.py`). The MoE layers run on each "
     "rank's tokens (under ep the exchange dispatches the shard's tokens), so each router sees only those; the "
     "load-balancing loss multiplies per-expert token fractions by mean router probabilities over all tokens (padding "
     "excluded by the full attention mask), which no sum of per-shard losses gives. Where the span gathers the "
@@ -544,7 +544,7 @@ FINDINGS = [
     "[tokens, experts] per MoE layer and microbatch. Without the gather the aux loss fails on padded rows (shape) "
     "and differs on packed ones; with ep, hooking the sums before the split left the expert gradients unsummed "
     "(92.8% of Mixtral's gate_up_proj gradient off).",
-    "- **Gemma 2's logit soft-capping under ring_attn** (`shardformer/layer/ring_blocks.py`): the scaled scores become "
+    "- **Gemma 2's logit soft-capping under ring_attn** (`shardformer/sequence/ring_blocks.py`): the scaled scores become "
     "cap * tanh(scores / cap) before the mask, in the hand-written blocks (torch's fused kernels cannot cap); their "
     "backward recomputes the capped scores and multiplies the scores' gradient by 1 - tanh(scores / cap)^2. Without "
     "that factor the kernel test's gradients differ in 95% of the elements.",

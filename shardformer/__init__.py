@@ -1,5 +1,5 @@
 """ShardFormer: per-model policies that pipeline- and tensor-parallelize unmodified transformers models."""
-from . import loss_weights
+from .stage import loss_weights
 from .policies import Colwise, Policy, Rowwise, VocabEmbedding, VocabHead, get_autopolicy
 from .sharder import ShardConfig, Sharder
 

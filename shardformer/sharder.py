@@ -7,23 +7,23 @@ from typing import Callable, Dict, List, Optional
 import torch.distributed as dist
 from torch import nn
 
-from .apply_styles import TPContext, apply_styles
-from .expert_sharding import check_expert_parallel, refuse_sequence_parallelism, shard_experts
+from .tensor.apply_styles import TPContext, apply_styles
+from .expert.sharding import check_expert_parallel, refuse_sequence_parallelism, shard_experts
 from .layer.dropout import (wrap_model_forward_in_tracker_rng, wrap_module_forward_in_local_rng,
                             wrap_module_forward_in_shared_rng)
 from .layer.spec import get_tp_spec
-from .lora_sharding import check_lora_layers
+from .tensor.lora_sharding import check_lora_layers
 from .materialize import materialize
 from .paths import match
 from .policies.base import Policy
-from .regions import enter_tp_regions_once
-from .release import release_unheld
-from .sequence_parallel import (SEQUENCE_DIM, apply_sequence_parallelism, check_sequence_parallelism, inside_layers,
+from .tensor.regions import enter_tp_regions_once
+from .stage.release import release_unheld
+from .sequence.parallel import (SEQUENCE_DIM, apply_sequence_parallelism, check_sequence_parallelism, inside_layers,
                                 sequence_span)
-from .sequence_loss import HeadOnShard
+from .sequence.loss import HeadOnShard
 from .shard_config import ShardConfig
-from .stage import StageForward, get_submodule_parent
-from .styles import ParallelStyle
+from .stage.forward import StageForward, get_submodule_parent
+from .tensor.styles import ParallelStyle
 
 __all__ = ["ShardConfig", "Sharder"]
 

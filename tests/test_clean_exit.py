@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from booster_plugin import clean_exit
+from booster_plugin.guards import clean_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,8 +15,8 @@ from shardformer.policies import PlanRefused, PlanSource, TransformersPlanPolicy
 from shardformer.policies.bloom import BloomPolicy
 from shardformer.policies.falcon import FalconPolicy
 from shardformer.policies.inferred import InferredPolicy, infer_policy
-from shardformer.stage import SHAPED
-from shardformer.styles import Colwise
+from shardformer.stage.forward import SHAPED
+from shardformer.tensor.styles import Colwise
 from shardformer.image_batches import image_batch
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed

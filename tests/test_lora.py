@@ -21,7 +21,7 @@ from transformers import LlamaForCausalLM
 
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.core.lora import enable_lora
-from shardformer.lora_sharding import LoRAShardingError
+from shardformer.tensor.lora_sharding import LoRAShardingError
 from tests import model_utils as mu
 
 TARGETS = {"llama_lm": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],

@@ -362,7 +362,7 @@ def _check_gradient_accumulation_with_no_sync():
 def _check_token_weighted_loss_equals_one_process():
     """loss_weight_fn: microbatches and replicas weighted by label tokens, so a padded global batch trains exactly
     like one process on it (the plain model loss, a mean over all label tokens of the global batch)."""
-    from shardformer.loss_weights import causal_lm_label_tokens
+    from shardformer.stage.loss_weights import causal_lm_label_tokens
 
     plugin = HybridParallelPlugin(pp_size=2, num_microbatches=4, loss_weight_fn=causal_lm_label_tokens)  # dp=2
     booster = Booster(plugin=plugin)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.compat import PipelineGraph
 from shardformer import Policy
-from shardformer.loss_weights import causal_lm_label_tokens
+from shardformer.stage.loss_weights import causal_lm_label_tokens
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 
@@ -379,7 +379,7 @@ def test_collective_call_on_one_rank_fails_within_timeout(tmp_path):
 def _collective_on_one_rank_default_timeout(tmp_dir: str):
     """With the default timeout (600 s, not torch's 30 minutes) the call still fails within the arrival window
     (ARRIVAL_TIMEOUT_S, 60 s; 2 s here), and the rank that never called it learns why at its next step."""
-    from booster_plugin import plugin as plugin_module
+    from booster_plugin.plugins import hybrid as plugin_module
     from booster_plugin.guards.failure import RankFailure
 
     plugin_module.ARRIVAL_TIMEOUT_S = 2.0

@@ -1,4 +1,4 @@
-"""Ring attention (shardformer/layer/ring_attention.py) on zigzag shards equals single-process attention on the full
+"""Ring attention (shardformer/sequence/ring_attention.py) on zigzag shards equals single-process attention on the full
 sequence: outputs and dQ/dK/dV, fp32 at 1e-5, on 2 ranks (and 4 for some cases), with the document-causal mask of
 position ids and with a given full mask (bool, or additive with rows without any key). Whole models (Llama, Qwen2 with
 full and sliding layers; sdpa and eager) whose forward builds its own mask on the full sequence while hooks run the
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardformer.layer import ring_blocks
-from shardformer.layer.ring_attention import RingAttention, register_ring_attention
-from shardformer.layer.ring_layout import (BlockKind, BlockMasks, analyse_mask, document_ids, documents,
+from shardformer.sequence import ring_blocks
+from shardformer.sequence.ring_attention import RingAttention, register_ring_attention
+from shardformer.sequence.ring_layout import (BlockKind, BlockMasks, analyse_mask, document_ids, documents,
                                            gather_zigzag, model_mask, shard_position_ids, shard_zigzag,
                                            unshard_zigzag, zigzag_index)
 from tests.dist_utils import run_distributed

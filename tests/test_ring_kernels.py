@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardformer.layer import ring_blocks
-from shardformer.layer.ring_blocks import Block, block_backward, block_forward, finite
-from shardformer.layer.ring_layout import BlockKind, BlockMasks, documents
+from shardformer.sequence import ring_blocks
+from shardformer.sequence.ring_blocks import Block, block_backward, block_forward, finite
+from shardformer.sequence.ring_layout import BlockKind, BlockMasks, documents
 from tests.dist_utils import TEST_DEVICE
 
 pytestmark = pytest.mark.cuda

@@ -1,6 +1,6 @@
 """The router's load-balancing loss of transformers' MoE models (`output_router_logits=True`) under pipeline
 parallelism equals one process's: the loss is computed on the last stage from the router logits of ALL layers
-(earlier stages' logits travel with the hidden states, shardformer/router_logits.py), and its gradient reaches the
+(earlier stages' logits travel with the hidden states, shardformer/expert/router_logits.py), and its gradient reaches the
 routers of earlier stages.
 
 Reference: one process running the same microbatches (gradient accumulation over the same split), each

@@ -4,7 +4,7 @@ process (tests/model_utils.check_training: loss, every gradient, parameters afte
 - MoE (Mixtral, Qwen3-MoE; the router's load-balancing loss on: output_router_logits=True, router_aux_loss_coef=1)
   under Ulysses ("all_to_all") and ring attention ("ring_attn") over sp_size=2, also with ep=2 (4 ranks), pp=2 and
   tp=2: each rank's routers see its tokens, and their logits are gathered over sp before the model's own loss
-  (shardformer/router_logits.py), so the aux loss (a product of per-expert means over all tokens, padding excluded)
+  (shardformer/expert/router_logits.py), so the aux loss (a product of per-expert means over all tokens, padding excluded)
   is one process's; rows with padding (attention mask) and packed rows (no mask: every token counts).
 - Gemma 2 (sliding and full layers, attn_logit_softcapping=1 so that the cap shapes most scores) under ring
   attention, whose blocks soft-cap the scores (and Ulysses, which runs the model's own eager function).

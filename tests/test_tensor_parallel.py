@@ -192,7 +192,7 @@ def test_split_gather_refuses_what_it_would_split_wrongly():
     Llama passes."""
     import transformers
     from hp_check.tiny import tiny_config
-    from shardformer.sequence_parallel import check_sequence_parallelism
+    from shardformer.sequence.parallel import check_sequence_parallelism
 
     for cls, match in ((transformers.YoutuForCausalLM, r"'layers\.\*\.self_attn' \(YoutuAttention\) mixes tokens"),
                        (transformers.MiniCPM3ForCausalLM, r"multi-head latent attention \('layers\.\*\.self_attn\.kv_a")):

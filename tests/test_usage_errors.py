@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.core.stage_calls import PipelineCallError
-from shardformer.lora_sharding import LoRAShardingError
+from shardformer.tensor.lora_sharding import LoRAShardingError
 from shardformer.policies import Colwise
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed

@@ -20,7 +20,7 @@ from .grad_bucket import BUCKET_BYTES, GradBucket, ReduceAxis, broadcast_params,
 
 if TYPE_CHECKING:
     from shardformer.policies import Policy
-    from shardformer.sequence_loss import HeadOnShard
+    from shardformer.sequence.loss import HeadOnShard
 
     from ..guards.batch_check import BatchLimits
     from .lora import LoRAState
@@ -215,7 +215,7 @@ class HybridParallelModule(nn.Module):
         over sp, and `loss` the step's loss instead of one per microbatch. Collective over tp and sp (the last
         stage's ranks all hold outputs)."""
         from shardformer.layer import ColumnParallelLinear
-        from shardformer.sequence_parallel import gather_tokens
+        from shardformer.sequence.parallel import gather_tokens
 
         if not isinstance(outputs, dict):
             return outputs

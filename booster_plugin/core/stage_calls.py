@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, List, Optional
 from torch import nn
 
 from pipeline import PipelineStageManager
-from shardformer.stage import CHUNK_ARGUMENT
+from shardformer.stage.forward import CHUNK_ARGUMENT
 
 __all__ = ["PipelineCallError", "chunk_calls", "refuse_calls_outside_schedule", "running_step"]
 
@@ -65,7 +65,7 @@ def refuse_calls_outside_schedule(modules: tuple[nn.Module, ...], stage_manager:
 
 def chunk_calls(model: nn.Module, num_chunks: int) -> List[Callable[..., Any]]:
     """How the schedule calls each of this rank's `num_chunks` model chunks: the boosted `model` itself when it has
-    one, else the model told which chunk to run (shardformer/stage.py)."""
+    one, else the model told which chunk to run (shardformer/stage/forward.py)."""
     if num_chunks == 1:
         return [model]
     return [functools.partial(model, **{CHUNK_ARGUMENT: chunk}) for chunk in range(num_chunks)]

@@ -20,7 +20,7 @@ from pipeline.actions import Schedule
 from pipeline.styles import ScheduleStyle, style_named
 from shardformer.policies.from_parallelformers import as_policy
 from shardformer.policies import Policy
-from shardformer.sequence_parallel import SEQUENCE_PARALLEL_MODES, resolve_mode
+from shardformer.sequence.parallel import SEQUENCE_PARALLEL_MODES, resolve_mode
 
 from ..core.activation_checkpoint import GradientCheckpointConfig
 from ..compat.colossal_args import check_unacted_args

@@ -26,7 +26,7 @@ from shardformer.layer.split_weight_grads import prepare_split_backward
 from shardformer.multimodal_batch import image_rows
 from shardformer.policies import Policy, get_autopolicy
 from shardformer.policies.proven import ProvenPolicy
-from shardformer.prove import prove_policy
+from shardformer.proof.prove import prove_policy
 from shardformer.precision import cast_to_compute_dtype
 from shardformer.shard_config import SequenceSplit
 from shardformer.sharder import ShardConfig, Sharder

@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from .comm import get_tp_world_size, reduce_from_tp
-from .ring_layout import shard_zigzag
+from ..sequence.ring_layout import shard_zigzag
 
 __all__ = ["vocab_parallel_cross_entropy", "parallel_causal_lm_loss", "TokenShard", "causal_lm_loss_on_tokens"]
 

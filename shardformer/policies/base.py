@@ -14,11 +14,11 @@ from torch import nn
 
 from pipeline.stage_manager import PipelineStageManager, StageCosts
 
-from ..layer_bounds import stage_of_layer
+from ..stage.layer_bounds import stage_of_layer
 from ..paths import base_prefix, find_submodule, match
 from ..shard_config import ShardConfig
-from ..stage import IDENTITY, INPUT, SHAPED, ZEROS
-from ..styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, OwnHeads, ParallelStyle, Rowwise,
+from ..stage.forward import IDENTITY, INPUT, SHAPED, ZEROS
+from ..tensor.styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, OwnHeads, ParallelStyle, Rowwise,
                       SharedTailGrad, SplitParam, VocabEmbedding, VocabHead)
 
 # what a policy is written with: the Policy, the entry modules' stand-in kinds and the parallel styles

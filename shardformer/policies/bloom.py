@@ -2,7 +2,7 @@
 structure does not tell from concatenated q|k|v, so inference refuses it). A plain column split of that output gives
 each rank whole heads' q, k, v blocks, in order: Colwise with one fused area. Proven by one forward at boost like an
 inferred policy (proven.py)."""
-from ..split_heads_argument import SplitHeadsArgument
+from ..tensor.split_heads_argument import SplitHeadsArgument
 from .base import IDENTITY, INPUT, Colwise, Rowwise, VocabEmbedding, VocabHead
 from .proven import ProvenPolicy
 

@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from ..stage import IDENTITY, INPUT, ZEROS
+from ..stage.forward import IDENTITY, INPUT, ZEROS
 
 
 def find_layer_lists(model: nn.Module, layer_class: type) -> List[str]:

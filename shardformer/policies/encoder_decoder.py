@@ -8,9 +8,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..encoder_decoder_stage import SKIP_FIRST, EncoderDecoderStage, SkipFirstCall, StageInput
-from ..layer_bounds import stage_of_layer
-from ..stage import (INPUT, Released, _hidden_size, get_submodule_parent, held_layer_list, replace_submodule,
+from ..stage.encoder_decoder import SKIP_FIRST, EncoderDecoderStage, SkipFirstCall, StageInput
+from ..stage.layer_bounds import stage_of_layer
+from ..stage.forward import (INPUT, Released, _hidden_size, get_submodule_parent, held_layer_list, replace_submodule,
                      stand_in_for)
 from .base import Policy
 

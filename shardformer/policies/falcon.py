@@ -6,7 +6,7 @@ config) stores [all q, one k, one v], which a column split does not keep whole: 
 every rank, each keeping its query heads and the one key and value (OwnHeads: gradients of the replicas and of its
 input summed over tp), and only the query heads are divided by tp (the attention keeps its one key/value head).
 Proven at boost by one forward of a small twin, as an inferred policy is (proven.py)."""
-from ..split_heads_argument import SplitHeadsArgument
+from ..tensor.split_heads_argument import SplitHeadsArgument
 from .base import INPUT, Colwise, OwnHeads, Rowwise, VocabEmbedding, VocabHead
 from .proven import ProvenPolicy
 

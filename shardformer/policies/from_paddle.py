@@ -23,7 +23,7 @@ from torch import nn
 
 from ..layer.conv1d import is_conv1d
 from ..paths import base_prefix, find_submodule, match, split_at_base
-from ..styles import Colwise, ParallelStyle, Rowwise, VocabEmbedding, VocabHead
+from ..tensor.styles import Colwise, ParallelStyle, Rowwise, VocabEmbedding, VocabHead
 from .auto_policy import builtin_policy
 from .base import Policy
 from .derive import derive_entry_exit

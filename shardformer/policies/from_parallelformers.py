@@ -18,7 +18,7 @@ from torch import nn
 
 from ..layer.conv1d import is_conv1d
 from ..paths import find_submodule
-from ..styles import Colwise, ParallelStyle, Rowwise
+from ..tensor.styles import Colwise, ParallelStyle, Rowwise
 from .base import Policy
 from .derive import derive_entry_exit, find_layer_lists
 

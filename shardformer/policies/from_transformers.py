@@ -22,10 +22,10 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from ..lora_sharding import native_module
+from ..tensor.lora_sharding import native_module
 from ..paths import base_prefix, find_submodule, match, split_at_base
-from ..stage import IDENTITY, INPUT
-from ..styles import (Colwise, Experts, GradAllReduce, KVHeads, Rowwise, SharedTailGrad, SplitParam, VocabEmbedding,
+from ..stage.forward import IDENTITY, INPUT
+from ..tensor.styles import (Colwise, Experts, GradAllReduce, KVHeads, Rowwise, SharedTailGrad, SplitParam, VocabEmbedding,
                       VocabHead)
 from .base import Policy
 from .transformers_compat import declared_plans, kv_sharing_modes

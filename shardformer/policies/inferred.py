@@ -35,10 +35,10 @@ from torch import nn
 
 from ..layer.conv1d import is_conv1d
 from ..paths import base_prefix, match
-from ..stage import IDENTITY, INPUT, SHAPED, ZEROS
-from ..styles import Colwise, Rowwise, VocabEmbedding, VocabHead
-from ..split_heads_argument import SplitHeadsArgument
-from ..twin import BATCH, Call, build_twin, synthetic_batch, trace_calls
+from ..stage.forward import IDENTITY, INPUT, SHAPED, ZEROS
+from ..tensor.styles import Colwise, Rowwise, VocabEmbedding, VocabHead
+from ..tensor.split_heads_argument import SplitHeadsArgument
+from ..proof.twin import BATCH, Call, build_twin, synthetic_batch, trace_calls
 from .from_transformers import PlanRefused
 from .proven import ProvenPolicy
 

@@ -22,8 +22,8 @@ from torch import nn
 
 from ..multimodal_batch import attribute
 from ..paths import base_prefix
-from ..stage import RELEASED
-from ..styles import Colwise
+from ..stage.forward import RELEASED
+from ..tensor.styles import Colwise
 from .from_transformers import PlanRefused, TransformersPlanPolicy
 
 __all__ = ["MultimodalPolicy", "is_multimodal"]

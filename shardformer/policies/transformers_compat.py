@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from ..lora_sharding import native_module
+from ..tensor.lora_sharding import native_module
 
 # the classes whose `_tp_plan = {"lm_head": "colwise_gather_output"}` transformers 5.24 declares and 5.17 does not
 # (vision-language and some speech models; without it a tied LM head stays whole while its embedding is split)

@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layer.spec import gather_tensor, get_tp_spec
-from .paths import base_prefix, match
-from .policies.from_transformers import PlanRefused
-from .sharder import Sharder
-from .stage import Released, ZeroEmbedding
-from .styles import Rowwise, VocabHead
+from ..layer.spec import gather_tensor, get_tp_spec
+from ..paths import base_prefix, match
+from ..policies.from_transformers import PlanRefused
+from ..sharder import Sharder
+from ..stage.forward import Released, ZeroEmbedding
+from ..tensor.styles import Rowwise, VocabHead
 from .twin import build_twin, synthetic_batch
 
 __all__ = ["prove_policy", "TOL"]

@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .stage import ZeroEmbedding, _StageExit
+from .forward import ZeroEmbedding, _StageExit
 
 __all__ = ["SKIP_FIRST", "StageInput", "SkipFirstCall", "EncoderDecoderStage"]
 

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from .router_logits import ROUTER_LOGITS, prepend_router_logits, recorded_router_logits
+from ..expert.router_logits import ROUTER_LOGITS, prepend_router_logits, recorded_router_logits
 
 INPUT, ZEROS, IDENTITY = "input", "zeros", "identity"
 RELEASED = "released"  # entry kind: never called off the first stage (its inputs are not passed there)

@@ -10,10 +10,10 @@ from typing import List, Optional
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .layer.linear import ColumnParallelLinear
-from .layer.region import enter_region
-from .paths import match
-from .policies.base import Policy
+from ..layer.linear import ColumnParallelLinear
+from ..layer.region import enter_region
+from ..paths import match
+from ..policies.base import Policy
 
 __all__ = ["enter_tp_regions_once"]
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_map_only
 
-from .layer.comm import all_to_all
+from ..layer.comm import all_to_all
 
 __all__ = ["SEQUENCE_DIM", "OwnAttention", "ShardPositionEmbeddings", "layers_config", "use_ulysses_attention", "point_layers_at", "own_attention"]
 
@@ -63,7 +63,7 @@ class ShardPositionEmbeddings:
         if not full:
             return table
         if self.zigzag:
-            from .layer.ring_layout import shard_zigzag
+            from .ring_layout import shard_zigzag
             return shard_zigzag(table, self.world, self.rank, dim=SEQUENCE_DIM)
         return table.narrow(SEQUENCE_DIM, self.rank * chunk, chunk)
 

@@ -1,6 +1,6 @@
 """Sequence parallelism "ring_attn": the decoder layers run on this rank's two zigzag chunks of the sequence (rank r
 of sp holds chunks r and 2 sp - 1 - r of 2 sp, so causal work is balanced) and attention is ring attention over the
-sp group (shardformer/layer/ring_attention.py: key/value blocks circulate, partial results merge by log-sum-exp),
+sp group (shardformer/sequence/ring_attention.py: key/value blocks circulate, partial results merge by log-sum-exp),
 registered in transformers' AttentionInterface in place of the model's own implementation; the rotary tables are cut
 to the rank's chunks. In eval mode the layers run unsplit with the model's own attention."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .layer.ring_attention import RingAttention
+from .ring_attention import RingAttention
 from .ulysses import ShardPositionEmbeddings, layers_config, own_attention, point_layers_at
 
 __all__ = ["RING", "use_ring_attention"]

@@ -37,15 +37,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .layer import ColumnParallelLinear, RowParallelLinear, gather_from_tp, split_to_tp
-from .layer.loss import TokenShard
-from .layer.ring_layout import zigzag_index
-from .layer.spec import get_tp_spec
-from .layer.replicated import sum_grad_over_tp
-from .policies.base import Colwise, Experts, KVHeads, Policy, Rowwise, SharedTailGrad, SplitParam
-from .ring_sequence import use_ring_attention
-from .router_logits import replace_router_logits
-from .sequence_loss import HeadOnShard, keep_split_through_head
+from ..layer import ColumnParallelLinear, RowParallelLinear, gather_from_tp, split_to_tp
+from ..layer.loss import TokenShard
+from .ring_layout import zigzag_index
+from ..layer.spec import get_tp_spec
+from ..layer.replicated import sum_grad_over_tp
+from ..policies.base import Colwise, Experts, KVHeads, Policy, Rowwise, SharedTailGrad, SplitParam
+from .ring import use_ring_attention
+from ..expert.router_logits import replace_router_logits
+from .loss import HeadOnShard, keep_split_through_head
 from .ulysses import SEQUENCE_DIM, use_ulysses_attention
 
 __all__ = ["SEQUENCE_PARALLEL_MODES", "SEQUENCE_DIM", "SequenceParallel", "SequenceSpan", "resolve_mode", "check_sequence_parallelism",

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from .image_batches import image_batch
+from ..image_batches import image_batch
 
 __all__ = ["TWIN_VOCAB", "twin_config", "build_twin", "synthetic_batch", "Call", "trace_calls"]
 

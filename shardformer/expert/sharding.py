@@ -13,9 +13,9 @@ from typing import Callable, List, Optional, Tuple
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .layer.expert_parallel import expert_parameters, split_experts_over_ep
-from .stage import Released
-from .styles import Experts, ParallelStyle
+from .dispatch import expert_parameters, split_experts_over_ep
+from ..stage.forward import Released
+from ..tensor.styles import Experts, ParallelStyle
 
 __all__ = ["experts_modules", "check_expert_parallel", "refuse_sequence_parallelism", "shard_experts"]
 

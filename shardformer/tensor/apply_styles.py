@@ -12,17 +12,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .layer.dropout import TPRNGTracker
-from .layer.embedding import VocabParallelEmbedding, vocab_parallel_lm_head
-from .layer.experts import split_experts
-from .layer.head_embedding import HeadParallelEmbedding
-from .layer.linear import ColumnParallelLinear, RowParallelLinear
-from .layer.loss import parallel_causal_lm_loss, vocab_parallel_cross_entropy
-from .layer.replicated import keep_own_heads, sum_grad_over_tp, sum_grads_over_tp, sum_tail_grad_over_tp
-from .layer.spec import TPSpec, padded_size, shard_parameter
-from .layer.vocab_split import shard_embedding_in_place
+from ..layer.dropout import TPRNGTracker
+from ..layer.embedding import VocabParallelEmbedding, vocab_parallel_lm_head
+from ..layer.experts import split_experts
+from ..layer.head_embedding import HeadParallelEmbedding
+from ..layer.linear import ColumnParallelLinear, RowParallelLinear
+from ..layer.loss import parallel_causal_lm_loss, vocab_parallel_cross_entropy
+from ..layer.replicated import keep_own_heads, sum_grad_over_tp, sum_grads_over_tp, sum_tail_grad_over_tp
+from ..layer.spec import TPSpec, padded_size, shard_parameter
+from ..layer.vocab_split import shard_embedding_in_place
 from .lora_sharding import shard_lora_layer, shards_adapters
-from .stage import Released, get_submodule_parent, replace_submodule
+from ..stage.forward import Released, get_submodule_parent, replace_submodule
 from .styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, OwnHeads, ParallelStyle, Rowwise, SharedTailGrad,
                      SplitParam, VocabEmbedding, VocabHead)
 

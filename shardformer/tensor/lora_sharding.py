@@ -20,12 +20,12 @@ from typing import Callable, Optional
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .layer.comm import get_tp_rank, get_tp_world_size
-from .layer.dropout import wrap_module_forward_in_local_rng, wrap_module_forward_in_shared_rng
-from .layer.linear import ColumnParallelLinear, RowParallelLinear
-from .layer.region import enter_region
-from .layer.replicated import sum_grads_over_tp
-from .layer.spec import TPSpec, shard_parameter
+from ..layer.comm import get_tp_rank, get_tp_world_size
+from ..layer.dropout import wrap_module_forward_in_local_rng, wrap_module_forward_in_shared_rng
+from ..layer.linear import ColumnParallelLinear, RowParallelLinear
+from ..layer.region import enter_region
+from ..layer.replicated import sum_grads_over_tp
+from ..layer.spec import TPSpec, shard_parameter
 from .styles import Colwise, GradAllReduce, OwnHeads, Rowwise
 
 __all__ = ["LoRAShardingError", "is_lora_layer", "is_modules_to_save", "native_module", "shards_adapters",

@@ -10,8 +10,8 @@ from torch import nn
 
 from pipeline.stage_manager import PipelineStageManager
 
-from .policies.base import Policy
-from .stage import (ChunkView, Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
+from ..policies.base import Policy
+from .forward import (ChunkView, Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
                     stand_in_for)
 
 __all__ = ["release_unheld"]

@@ -22,10 +22,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .apply_styles import ParallelCausalLMLoss, computes_causal_lm_loss
-from .layer.comm import copy_to_tp
-from .layer.loss import TokenShard, causal_lm_loss_on_tokens
-from .stage import Released
+from ..tensor.apply_styles import ParallelCausalLMLoss, computes_causal_lm_loss
+from ..layer.comm import copy_to_tp
+from ..layer.loss import TokenShard, causal_lm_loss_on_tokens
+from ..stage.forward import Released
 
 __all__ = ["HeadOnShard", "keep_split_through_head"]
 

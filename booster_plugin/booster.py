@@ -18,7 +18,7 @@ class Booster:
     """ColossalAI's Booster. Args:
         device: accepted for compatibility (the plugin places each rank on its accelerator, else the CPU).
         mixed_precision: as in ColossalAI, "fp16" or "bf16" runs torch AMP (autocast; fp16 with torch's GradScaler)
-            around a plugin that does not control precision (TorchDDPPlugin; see torch_amp.py); the other plugins
+            around a plugin that does not control precision (TorchDDPPlugin; see core/torch_amp.py); the other plugins
             control it (`precision=`), and a value here is ignored with a warning.
         plugin: HybridParallelPlugin, LowLevelZeroPlugin or TorchDDPPlugin (any `Plugin`); may also be given to
             `boost(..., plugin=...)`. Without either, `boost` uses HybridParallelPlugin() (data parallel over the

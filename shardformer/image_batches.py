@@ -6,7 +6,7 @@
   sample, labels -100 on image tokens and padding. Pixel layouts: one row per image (LLaVA, Gemma 3, Mistral3: with
   `image_sizes` for Pixtral's encoder), Qwen-VL's flattened patches with an `image_grid_thw` row per image, or one
   row per sample padded with empty images (Idefics3 / SmolVLM).
-Used by the proofs of inferred policies (twin.py), the checker (hp_check) and the tests."""
+Used by the proofs of inferred policies (proof/twin.py), the checker (hp_check) and the tests."""
 from __future__ import annotations
 
 import inspect

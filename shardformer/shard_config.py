@@ -15,7 +15,7 @@ __all__ = ["SequenceSplit", "ShardConfig"]
 
 class SequenceSplit(NamedTuple):
     """Sequence parallelism as the layout resolved it (once, in the parallel context): the mode and the ranks."""
-    mode: str                # "split_gather", "all_to_all" or "ring_attn" (sequence_parallel.py)
+    mode: str                # "split_gather", "all_to_all" or "ring_attn" (sequence/parallel.py)
     group: dist.ProcessGroup  # the ranks the sequence is split over
     size: int
     own_group: bool          # a group of its own (sp_size ranks), not the tp group
@@ -24,8 +24,8 @@ class SequenceSplit(NamedTuple):
 @dataclass(frozen=True)
 class ShardConfig:
     """How to shard: the tp group (None = no TP), the pipeline stage manager (None = no PP), TP options, the
-    sequence split (None = no sequence parallelism; see sequence_parallel.py) and the ep group that splits
-    mixture-of-experts experts over ranks (expert_sharding.py). ColossalAI's names for the sequence split
+    sequence split (None = no sequence parallelism; see sequence/parallel.py) and the ep group that splits
+    mixture-of-experts experts over ranks (expert/sharding.py). ColossalAI's names for the sequence split
     (`enable_sequence_parallelism`, `sequence_parallelism_mode`, `sequence_parallel_process_group`) are read-only
     views of `sequence`."""
     tensor_parallel_process_group: Optional[dist.ProcessGroup] = None

@@ -95,7 +95,7 @@ class Sharder:
 
     # -- pipeline ----------------------------------------------------------------------------------------
     def _release_unheld_layers(self) -> None:
-        """Prune the model to this rank's stage: by the policy's own hook (encoder-decoder), else release.py."""
+        """Prune the model to this rank's stage: by the policy's own hook (encoder-decoder), else stage/release.py."""
         hook = self.policy.release_unheld_layers
         if hook is not None:
             self.stage_forward = hook()

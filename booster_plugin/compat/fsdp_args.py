@@ -1,4 +1,4 @@
-"""ColossalAI arguments of GeminiPlugin and TorchFSDPPlugin that our FSDP2 plugins (fsdp.py) accept by name but do
+"""ColossalAI arguments of GeminiPlugin and TorchFSDPPlugin that our FSDP2 plugins (plugins/fsdp.py) accept by name but do
 not act on, and the translation of TorchFSDPPlugin's FSDP1 options into FSDP2's.
 
 As colossal_args.py does for HybridParallelPlugin: an option that only tunes speed or memory (Gemini's chunk

@@ -254,7 +254,7 @@ class HybridParallelModule(nn.Module):
         if self._buckets and self.pp_group is None:
             self._check_replicas_in_step()  # (every rank raises alike: not a failure to publish)
         self._grads_synced = True
-        # waiting for the replicas: a failure another rank published (failure.py) stops this rank instead of hanging
+        # waiting for the replicas: a failure another rank published (guards/failure.py) stops this rank instead of hanging
         with self.failure_guard.step("gradient reduction") if self.failure_guard is not None else \
                 contextlib.nullcontext():
             self._sync_grads()

@@ -70,7 +70,7 @@ class Plugin(ABC):
         return True
 
     def control_precision(self) -> bool:
-        """ColossalAI's query: False where Booster(mixed_precision=...) applies (torch AMP, torch_amp.py)."""
+        """ColossalAI's query: False where Booster(mixed_precision=...) applies (torch AMP, core/torch_amp.py)."""
         return True
 
     def backward(self, loss: torch.Tensor, optimizer: Any) -> None:

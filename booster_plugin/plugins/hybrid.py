@@ -39,7 +39,7 @@ class HybridParallelPlugin(HybridPluginBase):
     """Tensor parallel inside each stage, pipeline across stages, data parallel over the rest of the world.
 
     Takes every argument of ColossalAI 0.5's HybridParallelPlugin by name (those it does not act on are listed in
-    `colossal_args.py`: a speed-only option is accepted with a warning, a result-changing one is refused).
+    `compat/colossal_args.py`: a speed-only option is accepted with a warning, a result-changing one is refused).
 
     Args:
         tp_size, pp_size: tensor- and pipeline-parallel sizes (`tp`, `pp` are aliases); dp = world / (tp * pp).

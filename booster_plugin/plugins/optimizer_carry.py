@@ -5,7 +5,7 @@ its slice of that state (tensors shaped like the full parameter sliced as the pa
 experts by ep rank; ZeRO partitions it on the way out), through the same installation as load_optimizer."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Dict, List, Union
 
 import torch
 
@@ -15,8 +15,10 @@ from shardformer.layer.spec import get_tp_spec, shard_tensor
 from ..checkpoint.optimizer import optimizer_parts
 from ..checkpoint.optimizer_load import Loaded, apply_optimizer
 from ..core.optimizer import HybridParallelOptimizer
+from ..core.parallel_module import HybridParallelModule
 
-StateByName = Dict[str, Dict[str, Any]]
+StateValue = Union[torch.Tensor, float, int, bool]  # Adam's moments, its step, ...
+StateByName = Dict[str, Dict[str, StateValue]]
 
 
 def unsharded_state(optimizer: torch.optim.Optimizer, names: Dict[int, List[str]]) -> StateByName:
@@ -46,7 +48,8 @@ def carry_state(boosted: HybridParallelOptimizer, carried: StateByName, ctx: Par
         apply_optimizer(parts.optim, Loaded(new_state, [None] * len(parts.optim.param_groups), None))
 
 
-def _slice(value: Any, p: torch.Tensor, name: str, module, ctx: ParallelContext) -> Any:
+def _slice(value: StateValue, p: torch.Tensor, name: str, module: HybridParallelModule,
+           ctx: ParallelContext) -> StateValue:
     """This rank's part of one state value: a tensor shaped like the full parameter is sliced as `p` is."""
     full_shape = tuple(module.full_params[name][0])
     if not torch.is_tensor(value) or tuple(value.shape) != full_shape or value.dim() == 0:

@@ -25,7 +25,7 @@ but computes no aux loss: the payload then only feeds `outputs.router_logits`.
 Under sequence parallelism ("all_to_all", "ring_attn") each rank's routers see its part of the sequence only, and
 the loss is not a sum of per-shard losses either (its fractions and mean probabilities are over all tokens, padding
 excluded by the full attention mask). Where the split sequence is gathered again (the span's end,
-sequence_parallel.py) every recorded logits tensor is therefore replaced by the whole sequence's, gathered over the
+sequence/parallel.py) every recorded logits tensor is therefore replaced by the whole sequence's, gathered over the
 sp group in token order (`replace_router_logits`): the model's own loss function then sees one process's logits on
 every sp rank, and the gather's backward hands each rank the gradient of its own tokens' logits (the routers'
 weights, which saw this rank's tokens only, are summed over the group as every replicated parameter of the span).

@@ -1,6 +1,6 @@
 """A Policy for encoder-decoder models (T5, BART): the pipeline splits the encoder's layers followed by the decoder's
 over the stages; the policy declares its own stage pruning (`release_unheld_layers`), whose stage runs the model's
-own forward (see encoder_decoder_stage.py). An encoder-only model of such a family (T5EncoderModel) declares no
+own forward (see stage/encoder_decoder.py). An encoder-only model of such a family (T5EncoderModel) declares no
 decoder stack: the pipeline splits the encoder's layers alone."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Policies inferred from a model's structure, for transformers families that declare no plans (OPT, GPT-J, ...).
-The structure is read from one forward of a small twin of the model (twin.py: same class and config flags, tiny
-sizes); the policy is proven by another before it is used (proven.py, prove.py), and refused if not exact.
+The structure is read from one forward of a small twin of the model (proof/twin.py: same class and config flags, tiny
+sizes); the policy is proven by another before it is used (proven.py, proof/prove.py), and refused if not exact.
 
 - Layers: the ModuleList of same-class blocks with the most parameters (several large ones, e.g. an encoder's and a
   decoder's, are refused).

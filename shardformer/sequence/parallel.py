@@ -6,10 +6,10 @@ sequence over the tp ranks; everything before (embeddings, rotary tables, masks,
 model's own forward on the full sequence) and after (head, loss) is as with tensor parallelism alone. A forward
 pre-hook on the first layer keeps this rank's chunk (its gradient is all-gathered back) and a forward hook on the
 last split module gathers the chunks (its gradient is split), and so the router logits mixture-of-experts layers
-recorded on them, for the load-balancing loss (router_logits.py); with pipeline parallelism the stages in between send
+recorded on them, for the load-balancing loss (expert/router_logits.py); with pipeline parallelism the stages in between send
 and receive the shard. Over a group of its own ("all_to_all", "ring_attn" with sp_size > 1) the LM head and the
 model's own causal-LM loss then run on this rank's tokens again in a training forward with labels
-(sequence_loss.py). Modes:
+(loss.py). Modes:
 
 - "split_gather" (Megatron-LM): weights split as with tp alone. Each column-parallel layer (or its tp region, e.g.
   the attention) all-gathers its input along the sequence and keeps only the shard for backward; each row-parallel
@@ -258,7 +258,7 @@ def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceS
             span, tensor-split or not, then sees this rank's part of the sequence: its gradient is summed over it).
         parallel_output: over a group of its own, the LM head and loss may run on this rank's tokens.
 
-    Returns the split head's state where this stage keeps the sequence split through it (sequence_loss.py).
+    Returns the split head's state where this stage keeps the sequence split through it (loss.py).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     held: List[nn.Module] = list(policy.layer_list())
@@ -317,7 +317,7 @@ class _SplitSequence:
 
 class _GatherSequence:
     """Forward hook of the span's last module: the full sequence again, in order (training mode); so are the router
-    logits the forward has recorded (mixture of experts: router_logits.py)."""
+    logits the forward has recorded (mixture of experts: expert/router_logits.py)."""
 
     def __init__(self, tokens: TokenShard) -> None:
         self.tokens = tokens

@@ -15,7 +15,7 @@ which submodules exist.
   list, the real entry modules only for the first virtual stage (stand-ins otherwise) and the exit only for the last
   one.
 - Router logits of mixture-of-experts models travel with the hidden states (key `pipeline_router_logits`), so the
-  last stage's load-balancing loss sees every layer's, as one process's does (router_logits.py).
+  last stage's load-balancing loss sees every layer's, as one process's does (expert/router_logits.py).
 - Inputs only the first virtual stage uses (a vision encoder's `pixel_values`: the policy's `first_stage_inputs`)
   are not passed to the others, whose encoder is released (`RELEASED`); every other input reaches every stage, so
   what the model computes from them (masks, M-RoPE positions from `image_grid_thw`) is computed alike on each.
@@ -217,7 +217,7 @@ class StageForward:
 
     def __call__(self, hidden_states: Optional[torch.Tensor] = None, pipeline_chunk: int = 0, **kwargs) -> Any:
         view = self.chunks[pipeline_chunk]
-        router_logits = kwargs.pop(ROUTER_LOGITS, None)  # earlier stages' (router_logits.py)
+        router_logits = kwargs.pop(ROUTER_LOGITS, None)  # earlier stages' (expert/router_logits.py)
         if view.entry_layer is not None:
             for key in self.first_stage_inputs:
                 kwargs.pop(key, None)

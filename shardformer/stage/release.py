@@ -1,18 +1,20 @@
-"""A pipeline stage of a model with one layer list: release what this rank's stages do not hold (see stage.py) and
+"""A pipeline stage of a model with one layer list: release what this rank's stages do not hold (see forward.py) and
 build the callable that runs each of its chunks (virtual stages). Policies with another stage structure declare
 their own (`Policy.release_unheld_layers`, e.g. encoder_decoder.py)."""
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, TYPE_CHECKING, Tuple
 
 from torch import nn
 
 from pipeline.stage_manager import PipelineStageManager
 
-from ..policies.base import Policy
 from .forward import (ChunkView, Released, StageForward, get_submodule_parent, held_layer_list, replace_submodule,
-                    stand_in_for)
+                      stand_in_for)
+
+if TYPE_CHECKING:  # the plan's type only: plans import this room's vocabulary, not the reverse
+    from ..policies.base import Policy
 
 __all__ = ["release_unheld"]
 

@@ -5,7 +5,7 @@ sequence parallelism in training mode, one all-gather of the sequence shard (one
 module whose input is not exactly the region's input enters by itself."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, TYPE_CHECKING
 
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -13,7 +13,9 @@ from torch.distributed import ProcessGroup
 from ..layer.linear import ColumnParallelLinear
 from ..layer.region import enter_region
 from ..paths import match
-from ..policies.base import Policy
+
+if TYPE_CHECKING:  # the plan's type only: plans import this room's vocabulary, not the reverse
+    from ..policies.base import Policy
 
 __all__ = ["enter_tp_regions_once"]
 

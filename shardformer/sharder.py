@@ -1,35 +1,48 @@
-"""Sharder: applies a policy to a model in place — release what this pipeline stage does not hold, replace modules
-with tensor-parallel ones, re-tie shared weights — and returns what the runtime needs to drive the stage."""
+"""Sharder: applies a policy to a model in place as an ordered list of steps (Sharder.STEPS: check and prove, release
+what this pipeline stage does not hold, tensor parallel, expert parallel, sequence parallel) and returns what the
+runtime needs to drive the stage (ShardResult). What follows sharding (split backward, activation checkpointing,
+compute dtype, materialization) is booster_plugin's prepare_model, in its own ordered steps."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-import torch.distributed as dist
 from torch import nn
 
-from .tensor.apply_styles import TPContext, apply_styles
 from .expert.sharding import check_expert_parallel, refuse_sequence_parallelism, shard_experts
 from .layer.dropout import (wrap_model_forward_in_tracker_rng, wrap_module_forward_in_local_rng,
                             wrap_module_forward_in_shared_rng)
 from .layer.spec import get_tp_spec
-from .tensor.lora_sharding import check_lora_layers
 from .materialize import materialize
 from .paths import match
 from .policies.base import Policy
-from .tensor.regions import enter_tp_regions_once
-from .stage.release import release_unheld
-from .sequence.parallel import (SEQUENCE_DIM, apply_sequence_parallelism, check_sequence_parallelism, inside_layers,
-                                sequence_span)
 from .sequence.loss import HeadOnShard
+from .sequence.parallel import (SEQUENCE_DIM, SequenceSpan, apply_sequence_parallelism, check_sequence_parallelism,
+                                inside_layers, sequence_span)
 from .shard_config import ShardConfig
 from .stage.forward import StageForward, get_submodule_parent
+from .stage.release import release_unheld
+from .tensor.apply_styles import TPContext, apply_styles
+from .tensor.lora_sharding import check_lora_layers
+from .tensor.regions import enter_tp_regions_once
 from .tensor.styles import ParallelStyle
 
-__all__ = ["ShardConfig", "Sharder"]
+__all__ = ["ShardConfig", "ShardResult", "Sharder"]
+
+
+@dataclass
+class ShardResult:
+    """What sharding produced, for the runtime: filled by the steps in order (Sharder.STEPS)."""
+    shared: List[Dict[int, str]] = field(default_factory=list)  # [{stage: name of a parameter shared by stages}]
+    stage_forward: Optional[StageForward] = None                # runs this rank's chunks (None without pp)
+    expert_params: List[str] = field(default_factory=list)      # parameters holding this rank's experts only
+    sequence_head: Optional[HeadOnShard] = None                 # the sequence kept split through the head
+    span: Optional[SequenceSpan] = None                         # (read before the stage releases its modules)
+    tied: List[List[str]] = field(default_factory=list)         # names of parameters that were one before tp
 
 
 class Sharder:
-    """Applies `policy` to `model` in place, as `shard_config` says (see the module docstring)."""
+    """Applies `policy` to `model` in place, as `shard_config` says: the steps of STEPS, in that order."""
 
     def __init__(self, model: nn.Module, policy: Policy, shard_config: ShardConfig,
                  prove: Optional[Callable[[Policy], None]] = None) -> None:
@@ -39,15 +52,21 @@ class Sharder:
         self.prove = prove
         self.policy = policy
         self.shard_config = shard_config
-        self.stage_forward: Optional[StageForward] = None
-        self.expert_params: List[str] = []  # parameters holding this rank's experts only (expert parallel)
-        self.sequence_head: Optional[HeadOnShard] = None  # the sequence kept split through the head (sequence_loss)
         policy.set_model(model)
         policy.set_shard_config(shard_config)
         policy.set_pipeline_stage_manager(shard_config.pipeline_stage_manager)
 
-    def shard(self) -> List[Dict[int, str]]:
-        """Shard in place; returns the shared parameters as [{stage: parameter name on that stage}]."""
+    def shard(self) -> ShardResult:
+        """Shard in place, step by step (STEPS); what the runtime needs."""
+        result = ShardResult()
+        for step in self.STEPS:
+            step(self, result)
+        return result
+
+    # -- the steps -------------------------------------------------------------------------------------
+    def _check(self, result: ShardResult) -> None:
+        """On the unsharded model, every rank alike, before any collective: the plan fits the model and the layout;
+        a plan that must be proven is proven."""
         self.policy.check_paths()
         self.policy.check_tp(self.model.config, self.shard_config.tp_size)
         if self.prove is not None:
@@ -57,34 +76,52 @@ class Sharder:
             refuse_sequence_parallelism(self.model, self._plan_style, mode)
             check_sequence_parallelism(self.policy, mode, self.model.config, self.shard_config.tp_size,
                                        self._sp_size())
-        span = sequence_span(self.policy) if mode is not None else None  # before this stage keeps its own modules
-        if self.shard_config.tp_size > 1:  # on the unsharded model, every rank alike, before any collective
+            result.span = sequence_span(self.policy)
+        if self.shard_config.tp_size > 1:
             check_lora_layers(self.model, self._style_of)
         if self.shard_config.ep_size > 1:
             check_expert_parallel(self.model, self._plan_style, self.shard_config.ep_size)
-        tied = self._tied_names()
-        shared = self.policy.shared_param_names() if self.shard_config.pipeline_stage_manager else []
-        if self.shard_config.pipeline_stage_manager is not None:
-            self._release_unheld_layers()
-        if self.shard_config.tp_size > 1:
-            cfg = self.shard_config
-            apply_styles(TPContext(self.model, cfg.tensor_parallel_process_group, cfg.tp_size,
-                                   cfg.make_vocab_size_divisible_by, cfg.parallel_output, cfg.rng_tracker),
-                         self._style_of)
-            self._retie(tied)
-            enter_tp_regions_once(self.model, self.policy, self.shard_config.tensor_parallel_process_group,
-                                  SEQUENCE_DIM if mode == "split_gather" else None)
-            self._change_attributes()
-            self._use_tracker_rng()
-        if self.shard_config.ep_size > 1:  # after the tp split (its hooks run inside the exchange), before sp's
-            self.expert_params = shard_experts(self.model, self._plan_style,  # gradient sums (on the kept experts)
-                                               self.shard_config.expert_parallel_process_group)
-        if mode is not None:
-            self.sequence_head = apply_sequence_parallelism(
-                self.model, self.policy, span, mode, self.shard_config.sp_group,
-                own_group=self.shard_config.sequence.own_group,
+        result.tied = self._tied_names()
+
+    def _release_this_stage(self, result: ShardResult) -> None:
+        """Pipeline: keep this rank's stage only, by the policy's own hook (encoder-decoder) or
+        stage/release.py."""
+        sm = self.shard_config.pipeline_stage_manager
+        if sm is None:
+            return
+        result.shared = self.policy.shared_param_names()
+        hook = self.policy.release_unheld_layers
+        result.stage_forward = hook() if hook is not None else release_unheld(self.model, self.policy, sm)
+
+    def _tensor_parallel(self, result: ShardResult) -> None:
+        """Replace the planned modules with tensor-parallel ones; re-tie, enter regions once, divide attributes,
+        draw dropout from the tracker."""
+        cfg = self.shard_config
+        if cfg.tp_size == 1:
+            return
+        apply_styles(TPContext(self.model, cfg.tensor_parallel_process_group, cfg.tp_size,
+                               cfg.make_vocab_size_divisible_by, cfg.parallel_output, cfg.rng_tracker), self._style_of)
+        self._retie(result.tied)
+        enter_tp_regions_once(self.model, self.policy, cfg.tensor_parallel_process_group,
+                              SEQUENCE_DIM if cfg.sp_mode == "split_gather" else None)
+        self._change_attributes()
+        self._use_tracker_rng()
+
+    def _expert_parallel(self, result: ShardResult) -> None:
+        """After the tp split (its hooks run inside the exchange), before sequence parallelism's gradient sums
+        (which must see the kept experts only)."""
+        if self.shard_config.ep_size > 1:
+            result.expert_params = shard_experts(self.model, self._plan_style,
+                                                 self.shard_config.expert_parallel_process_group)
+
+    def _sequence_parallel(self, result: ShardResult) -> None:
+        seq = self.shard_config.sequence
+        if seq is not None:
+            result.sequence_head = apply_sequence_parallelism(
+                self.model, self.policy, result.span, seq.mode, seq.group, own_group=seq.own_group,
                 parallel_output=self.shard_config.parallel_output)
-        return shared
+
+    STEPS = (_check, _release_this_stage, _tensor_parallel, _expert_parallel, _sequence_parallel)
 
     def materialize(self, device, init: bool = True) -> int:
         """Allocate the meta parameters and buffers this rank still holds (after sharding) on `device`, initialized
@@ -92,15 +129,6 @@ class Sharder:
         sm = self.shard_config.pipeline_stage_manager
         return materialize(self.model, device, self.shard_config.tensor_parallel_process_group,
                            sm.stage if sm is not None else 0, init)
-
-    # -- pipeline ----------------------------------------------------------------------------------------
-    def _release_unheld_layers(self) -> None:
-        """Prune the model to this rank's stage: by the policy's own hook (encoder-decoder), else stage/release.py."""
-        hook = self.policy.release_unheld_layers
-        if hook is not None:
-            self.stage_forward = hook()
-        else:
-            self.stage_forward = release_unheld(self.model, self.policy, self.shard_config.pipeline_stage_manager)
 
     # -- tensor parallel ---------------------------------------------------------------------------------
     def _tied_names(self) -> List[List[str]]:

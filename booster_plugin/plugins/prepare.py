@@ -29,7 +29,7 @@ from shardformer.policies.proven import ProvenPolicy
 from shardformer.proof.prove import prove_policy
 from shardformer.precision import cast_to_compute_dtype
 from shardformer.shard_config import SequenceSplit
-from shardformer.sharder import ShardConfig, Sharder
+from shardformer.sharder import ShardConfig, Sharder, ShardResult
 
 from ..core.activation_checkpoint import apply_activation_checkpointing
 from ..guards.batch_check import BatchLimits, DirectCallCheck, label_vocab_of, vocab_of
@@ -82,16 +82,16 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
     info = ModelInfo(policy, {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)},
                      BatchLimits(vocab_of(model), label_vocab_of(model), sequence_multiple=multiple, sequence_split=split,
                                  ragged=image_rows(model.config) if hasattr(model, "config") else None), lora)
-    sharder, shared_names = _shard(model, policy, opts, ctx, stage_manager)
-    info = replace(info, expert_params=frozenset(sharder.expert_params), sequence_head=sharder.sequence_head)
+    sharded = _shard(model, policy, opts, ctx, stage_manager)
+    info = replace(info, expert_params=frozenset(sharded.expert_params), sequence_head=sharded.sequence_head)
     params = dict(model.named_parameters(remove_duplicate=False))
     shared = []
-    for names in shared_names:  # every rank creates every group, in the same order
+    for names in sharded.shared:  # every rank creates every group, in the same order
         stages = sorted(names)
         group = ctx.group_over(ctx.pp, stages)
         if ctx.pp.rank in names:
             shared.append(SharedParam(params[names[ctx.pp.rank]], group, ctx.pp.rank == stages[0]))
-    module = HybridParallelModule(model, sharder.stage_forward, ctx, info, shared, opts.precision.zero_stage,
+    module = HybridParallelModule(model, sharded.stage_forward, ctx, info, shared, opts.precision.zero_stage,
                                   bucket_bytes=opts.precision.bucket_bytes, failure_guard=failure_guard)
     module.sync_params()
     if ctx.pp.size > 1:  # a stage alone cannot run the model: only the schedule may call it
@@ -127,8 +127,9 @@ def shard_config_of(sharding: ShardingConfig, ctx: ParallelContext, stage_manage
 
 
 def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: ParallelContext,
-           stage_manager: PipelineStageManager) -> Tuple[Sharder, List[Dict[int, str]]]:
-    """Step 3: the model becomes this rank's shard, on the device; returns the sharder and the shared names."""
+           stage_manager: PipelineStageManager) -> ShardResult:
+    """Step 3: the model becomes this rank's shard, on the device: the Sharder's steps (shardformer/sharder.py),
+    then split backward, activation checkpointing, compute dtype, materialization, device."""
     rng_tracker = None
     if ctx.tp.size > 1:
         rng_tracker = TPRNGTracker(opts.device)
@@ -138,7 +139,7 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
     sharder = Sharder(model, policy, shard_config_of(opts.sharding, ctx, stage_manager, rng_tracker), prove)
     if opts.sharding.custom_policy is not None:  # a plan written by hand: an entry matching nothing is a typo
         policy.check_plan()
-    shared_names = sharder.shard()
+    sharded = sharder.shard()
     remember_boosted(model)  # sharded in place: boosting this object again is refused
     if opts.style.splits_backward:  # their backward is split into I and W (pipeline/split_backward.py)
         prepare_split_backward(model)
@@ -153,7 +154,7 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
         cast_to_compute_dtype(model, _DTYPES[opts.precision.precision])  # rotary tables stay fp32
     sharder.materialize(opts.device)  # lazy init: a model built on the meta device gets only this rank's shard
     model.to(opts.device)
-    return sharder, shared_names
+    return sharded
 
 
 def _sequence_split(sharding: ShardingConfig, ctx: ParallelContext) -> Tuple[int, str]:

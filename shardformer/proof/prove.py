@@ -30,7 +30,7 @@ from torch import nn
 from ..layer.spec import gather_tensor, get_tp_spec
 from ..paths import base_prefix, match
 from ..policies.from_transformers import PlanRefused
-from ..sharder import Sharder
+from ..sharder import ShardResult, Sharder
 from ..stage.forward import Released, ZeroEmbedding
 from ..tensor.styles import Rowwise, VocabHead
 from .twin import build_twin, synthetic_batch
@@ -92,10 +92,10 @@ def _prove(policy, cfg, sm) -> Optional[str]:
                             sequence=None, expert_parallel_process_group=None)
         sharder = Sharder(twin, twin_policy, shard_cfg)
         try:
-            shared = sharder.shard()
+            sharded = sharder.shard()
         except Exception as error:  # noqa: BLE001  (sharding is local: alike on every rank)
             return f"{what}: sharding the twin fails ({_say(error)})."
-        found = _run_and_compare(twin, sharder, sm, batch, ref, ref_loss, shared, cfg, device)
+        found = _run_and_compare(twin, twin_policy, sharded, sm, batch, ref, ref_loss, cfg, device)
     return None if found is None else f"{what}: {found[2]}. Write a policy for it (custom_policy=...)."
 
 
@@ -206,11 +206,12 @@ def _agree(item: Optional[Mismatch], groups) -> Optional[Mismatch]:
     return item
 
 
-def _run_and_compare(twin, sharder, sm, batch, ref: "_Recorder", ref_loss, shared, cfg, device) -> Optional[Mismatch]:
+def _run_and_compare(twin, policy, sharded: ShardResult, sm, batch, ref: "_Recorder", ref_loss, cfg,
+                     device) -> Optional[Mismatch]:
     """The sharded twin's forward, then (if it agrees) backward, each compared with the reference's."""
     groups = (cfg.tensor_parallel_process_group, sm.pp_group if sm is not None else None)
-    rec = _Recorder(twin, list(ref.outputs), (base_prefix(twin) + sharder.policy.layers + ".*",))
-    pipe = _Pipeline(twin, sharder.stage_forward, sm, device)
+    rec = _Recorder(twin, list(ref.outputs), (base_prefix(twin) + policy.layers + ".*",))
+    pipe = _Pipeline(twin, sharded.stage_forward, sm, device)
     found = pipe.forward(batch, rec)
     order = {p: i for i, p in enumerate(ref.order)}
     for path, output in rec.outputs.items() if found is None else ():
@@ -227,7 +228,7 @@ def _run_and_compare(twin, sharder, sm, batch, ref: "_Recorder", ref_loss, share
     found = _agree(found, groups)
     if found is not None:
         return found
-    pipe.sum_shared(shared)
+    pipe.sum_shared(sharded.shared)
     return _agree(_grad_mismatch(twin, ref, cfg.tensor_parallel_process_group), groups)
 
 

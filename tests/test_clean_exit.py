@@ -41,7 +41,7 @@ def _run_race(hook: bool, ranks: int = 2) -> list:
     for rank in range(ranks):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   HOOK=os.path.join(ROOT, "booster_plugin", "clean_exit.py") if hook else "")
+                   HOOK=os.path.join(ROOT, "booster_plugin", "guards", "clean_exit.py") if hook else "")
         procs.append(subprocess.Popen([sys.executable, "-c", RACE], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT))
     results = []

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from .ring_attention import RingAttention
-from .ulysses import ShardPositionEmbeddings, layers_config, own_attention, point_layers_at
+from .ulysses import ShardPositionEmbeddings, attention_override, layers_config, own_attention, point_layers_at
 
 __all__ = ["RING", "use_ring_attention"]
 
@@ -30,7 +30,7 @@ class _Ring:
 def _ring_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, **kwargs):
     if not module.training:  # the layers run unsplit
         return own_attention(module)(module, query, key, value, attention_mask, **kwargs)
-    spec: _Ring = module.hybrid_parallel_attention
+    spec: _Ring = attention_override(module)
     return spec.ring(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import weakref
 from typing import Any, Callable, Dict, Protocol, Sequence
 
 from torch import Tensor, nn
@@ -33,7 +34,7 @@ def _ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     heads / tp, full sequence, head dim), the module's own attention function runs with the full mask, and its
     output (batch, full sequence, heads / tp, head dim) is exchanged back to (batch, sequence shard, heads, head
     dim). In eval mode the layers are unsplit and the own function runs as is."""
-    spec: _Ulysses = module.hybrid_parallel_attention
+    spec: _Ulysses = attention_override(module)
     attention = own_attention(module)
     if not module.training:
         return attention(module, query, key, value, attention_mask, **kwargs)
@@ -83,12 +84,17 @@ class OwnAttention(Protocol):
     eager: Any
 
 
+# attention module -> its override (weak: a released module drops out with it)
+_OVERRIDES: "weakref.WeakKeyDictionary[nn.Module, OwnAttention]" = weakref.WeakKeyDictionary()
+
+
 def point_layers_at(model: nn.Module, layers: Sequence[nn.Module], name: str, function: Any, mode: str,
                     make_spec: Callable[[str, Any], OwnAttention], cut_tables: Any) -> None:
     """Register `function` as attention implementation `name` and point the layers' modules that read the model's
     config at a view naming it (the model's own config, and so its masks, unchanged); each such module gets
-    `make_spec(its implementation, its modeling file's eager function)` as `module.hybrid_parallel_attention`, and
-    each layer the forward pre-hook `cut_tables` (the rotary tables cut to the rank's part of the sequence)."""
+    `make_spec(its implementation, its modeling file's eager function)` in the override registry (`_OVERRIDES`,
+    keyed by module: nothing is set on transformers' modules but the config view they read), and each layer the
+    forward pre-hook `cut_tables` (the rotary tables cut to the rank's part of the sequence)."""
     from transformers import AttentionInterface
 
     config = layers_config(model, layers)
@@ -110,7 +116,7 @@ def point_layers_at(model: nn.Module, layers: Sequence[nn.Module], name: str, fu
                                           f"function, but {type(module).__name__} with attn_implementation='eager' "
                                           f"has none to wrap; load the model with attn_implementation='sdpa'.")
             module.config = view
-            module.hybrid_parallel_attention = make_spec(implementation, eager)
+            _OVERRIDES[module] = make_spec(implementation, eager)
 
 
 def layers_config(model: nn.Module, layers: Sequence[nn.Module]):
@@ -127,5 +133,10 @@ def own_attention(module: nn.Module):
     """The attention function the module would have called (its model's implementation)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    spec: OwnAttention = module.hybrid_parallel_attention
+    spec = attention_override(module)
     return ALL_ATTENTION_FUNCTIONS.get_interface(spec.implementation, spec.eager)
+
+
+def attention_override(module: nn.Module) -> OwnAttention:
+    """What point_layers_at registered for `module` (its sequence-parallel attention and own implementation)."""
+    return _OVERRIDES[module]

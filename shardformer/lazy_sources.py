@@ -9,6 +9,7 @@ one. Names it does not hold are initialized by the model's own init, per rank (m
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 from torch import Tensor, nn
@@ -18,7 +19,6 @@ from .layer.spec import TPSpec
 __all__ = ["WeightSources", "attach_sources", "sources_of", "detach_sources", "tensor_names", "DEVICE_TAG",
            "EXPERT_ROWS"]
 
-_ATTR = "_lazy_weight_sources"
 DEVICE_TAG = "_lazy_device"  # on a meta tensor: the device LazyInitContext(default_device=...) materializes it on
 # on stacked expert weights split over expert parallelism: (first expert, count) of the full tensor's dim 0 it holds
 EXPERT_ROWS = "_lazy_expert_rows"
@@ -38,16 +38,20 @@ class WeightSources(Protocol):
         `experts`: the (first, count) entries of dim 0 this rank holds besides (expert parallelism)."""
 
 
+# a lazily built model -> where its weights come from (weak: nothing is set on the model object)
+_SOURCES: "weakref.WeakKeyDictionary[nn.Module, WeightSources]" = weakref.WeakKeyDictionary()
+
+
 def attach_sources(model: nn.Module, sources: WeightSources) -> None:
-    object.__setattr__(model, _ATTR, sources)  # a plain attribute: not a submodule, not in the state dict
+    _SOURCES[model] = sources
 
 
 def sources_of(model: nn.Module) -> Optional[WeightSources]:
-    return model.__dict__.get(_ATTR)
+    return _SOURCES.get(model)
 
 
 def detach_sources(model: nn.Module) -> None:
-    model.__dict__.pop(_ATTR, None)
+    _SOURCES.pop(model, None)
 
 
 def tensor_names(model: nn.Module) -> Dict[int, List[str]]:

@@ -135,19 +135,21 @@ class ShardingConfig:
     sp_size: int                      # > 1: over a group of its own ("all_to_all", "ring_attn"); 1: over tp
     seed: int                         # dropout RNG seed under tp
     gradient_checkpoint_config: Optional[GradientCheckpointConfig]
+    compile_layers: bool              # each held decoder layer compiled (core/regional_compile.py)
 
     @classmethod
     def build(cls, tp_size: int, pp_size: int, custom_policy: Any, parallel_output: bool,
               make_vocab_size_divisible_by: int, enable_sequence_parallelism: bool,
               sequence_parallelism_mode: Optional[str], sp_size: Optional[int], seed: int,
-              gradient_checkpoint_config: Optional[GradientCheckpointConfig]) -> "ShardingConfig":
+              gradient_checkpoint_config: Optional[GradientCheckpointConfig],
+              compile_layers: bool = False) -> "ShardingConfig":
         if gradient_checkpoint_config is not None:
             gradient_checkpoint_config.check(pp_size)
         sp = resolve_mode(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size, _rank())
         check_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by, 1)
         policy = as_policy(custom_policy)  # ours as is, Parallelformers-style translated, else TypeError
         return cls(policy, parallel_output, make_vocab_size_divisible_by, sp.mode, sp.size, seed,
-                   gradient_checkpoint_config)
+                   gradient_checkpoint_config, bool(compile_layers))
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,7 @@ class PluginConfig:
         sharding = ShardingConfig.build(
             tp_size, pp_size, a["custom_policy"], a["parallel_output"], a["make_vocab_size_divisible_by"],
             a["enable_sequence_parallelism"], a["sequence_parallelism_mode"], a["sp_size"], a["seed"],
-            a["gradient_checkpoint_config"])
+            a["gradient_checkpoint_config"], a["compile_layers"])
         return cls(mesh, pipeline, sharding, precision, bool(a["check_batches"]))
 
     def agreement(self) -> Dict[str, int]:

@@ -83,6 +83,8 @@ class HybridParallelPlugin(HybridPluginBase):
             nor advanced by it. With tp_size == 1 dropout draws from the global RNG, as in one process.
         trace: record a timeline of the schedule (also HP_TRACE=1).
         loss_weight_fn: `micro_batch -> number of loss items`, for a token-weighted loss.
+        compile_layers: compile each decoder layer this rank holds with torch.compile (regional compilation,
+            core/regional_compile.py; off by default: tens of seconds of compile per layer class).
         timeout: seconds a collective may wait before every rank fails (the process groups' timeout; default 600,
             `launch.DEFAULT_TIMEOUT_S`; a world group the script initialized itself keeps its own unless given).
         on_nonfinite: inf/nan gradients at `optimizer.step()` (detected by one all-reduced flag): "skip" the step
@@ -111,7 +113,7 @@ class HybridParallelPlugin(HybridPluginBase):
                  check_batches: bool = True, on_nonfinite: str = "skip",
                  initial_scale: float = 2 ** 16, growth_factor: float = 2, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 2, min_scale: float = 1, max_scale: float = 2 ** 32,
-                 gradient_checkpoint_config: Optional[GradientCheckpointConfig] = None,
+                 gradient_checkpoint_config: Optional[GradientCheckpointConfig] = None, compile_layers: bool = False,
                  ep_size: int = 1, dp_outside: bool = True, tp: Optional[int] = None, pp: Optional[int] = None,
                  **colossalai_kwargs: Any) -> None:
         # every check before the first collective, so that bad input fails the same way on every rank

@@ -38,6 +38,7 @@ from ..guards.failure import FailureGuard
 from ..core.lora import LoRAState, adapter_file_keys, materialize_adapters, split_peft_model
 from ..core.mixed_precision import DynamicLossScaler
 from ..core.optimizer import HybridParallelOptimizer
+from ..core.regional_compile import compile_layers
 from .optimizer_carry import carry_state, unsharded_state
 from ..guards.optimizer_guard import guard_parameters
 from ..core.parallel_module import HybridParallelModule, ModelInfo, SharedParam
@@ -154,6 +155,8 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
         cast_to_compute_dtype(model, _DTYPES[opts.precision.precision])  # rotary tables stay fp32
     sharder.materialize(opts.device)  # lazy init: a model built on the meta device gets only this rank's shard
     model.to(opts.device)
+    if opts.sharding.compile_layers:  # compiled at their first call, with everything above in place
+        compile_layers(list(policy.layer_list()))
     return sharded
 
 

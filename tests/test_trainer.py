@@ -1,0 +1,98 @@
+"""HybridParallelTrainer: `transformers.Trainer.train()` on the plugin equals a plain one-process Trainer with the same
+arguments (the one-process batch holding every replica's rows): logged losses, grad norms and learning rates, the
+parameters at the end (through `save_model` + `from_pretrained`) and `evaluate()`'s loss, at tp=2 x pp=2 and at
+pp=2 x dp=2 with ZeRO-1 (4 ranks), with gradient accumulation, a warm-up scheduler, weight decay, clipping, and
+labels with ignored positions (token-weighted loss over the accumulation window and the replicas)."""
+import os
+import sys
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+from tests import model_utils as mu
+from tests.dist_utils import run_distributed
+
+ROWS, EVAL_ROWS, STEPS, ACCUMULATION, BATCH = 48, 16, 6, 2, 2  # BATCH: rows per replica and Trainer batch
+
+
+def _dataset(rows: int, seed: int) -> list:
+    """Fixed-length rows whose labels ignore a varying number of positions (-100), so that microbatches and
+    replicas hold different numbers of loss tokens."""
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for i in range(rows):
+        ids = torch.randint(1, mu.VOCAB, (mu.SEQ,), generator=g)
+        labels = ids.clone()
+        labels[: i % 5] = -100
+        data.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    return data
+
+
+def _args(output_dir: str, batch: int, **overrides) -> TrainingArguments:
+    return TrainingArguments(**{**dict(
+        output_dir=output_dir, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, learning_rate=3e-3, weight_decay=0.1,
+        warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=0.5, adam_epsilon=1e-6, logging_steps=1,
+        report_to="none", save_strategy="no", seed=7, use_cpu=True, disable_tqdm=True), **overrides})
+
+
+def _logs(trainer) -> dict:
+    steps = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    return {key: [h[key] for h in steps] for key in ("loss", "grad_norm", "learning_rate")}
+
+
+def _reference(output_dir: str, replicas: int) -> dict:
+    """One process, plain Trainer, the same arguments with every replica's rows in its batch."""
+    model = mu.build("llama_lm")
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(model=model, args=_args(output_dir, BATCH * replicas),
+                      train_dataset=_dataset(ROWS, 1), eval_dataset=_dataset(EVAL_ROWS, 2))
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    return {"initial": initial, "logs": _logs(trainer), "eval_before": before,
+            "eval_after": trainer.evaluate()["eval_loss"],
+            "final": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _check_layout(plugin_kwargs: dict, reference: dict, output_dir: str) -> None:
+    from booster_plugin import HybridParallelPlugin, HybridParallelTrainer
+
+    model = LlamaForCausalLM(mu.llama_config())
+    model.load_state_dict(reference["initial"])
+    trainer = HybridParallelTrainer(model=model, args=_args(output_dir, BATCH), train_dataset=_dataset(ROWS, 1),
+                                    eval_dataset=_dataset(EVAL_ROWS, 2),
+                                    plugin=HybridParallelPlugin(**plugin_kwargs))
+    what = f"{plugin_kwargs}"
+    mu.assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), torch.tensor(reference["eval_before"]),
+                    f"{what}: eval loss before training")
+    trainer.train()
+    logs, expected = _logs(trainer), reference["logs"]
+    assert len(logs["loss"]) == STEPS, logs
+    for key in ("loss", "grad_norm", "learning_rate"):
+        mu.assert_close(torch.tensor(logs[key]), torch.tensor(expected[key]), f"{what}: logged {key}")
+    assert max(expected["grad_norm"]) > 0.5, "the test should clip"
+    mu.assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), torch.tensor(reference["eval_after"]),
+                    f"{what}: eval loss after training")
+    saved = os.path.join(output_dir, "final")
+    trainer.save_model(saved)
+    loaded = LlamaForCausalLM.from_pretrained(saved)
+    for name, value in loaded.state_dict().items():
+        mu.assert_close(value, reference["final"][name], f"{what}: {name} after {STEPS} steps (from_pretrained)")
+
+
+def _layouts(references: dict, directory: str) -> None:
+    _check_layout(dict(tp_size=2, pp_size=2), references[1], os.path.join(directory, "tp2pp2"))
+    _check_layout(dict(pp_size=2, zero_stage=1), references[2], os.path.join(directory, "pp2dp2"))
+
+
+def test_trainer_equals_one_process(tmp_path):
+    references = {replicas: _reference(str(tmp_path / f"ref{replicas}"), replicas) for replicas in (1, 2)}
+    run_distributed(4, _layouts, references, str(tmp_path))
+
+
+def test_import_is_lazy():
+    import subprocess
+    code = ("import sys, booster_plugin; assert 'transformers.trainer' not in sys.modules, 'eager'; "
+            "from booster_plugin import HybridParallelTrainer; assert 'transformers.trainer' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

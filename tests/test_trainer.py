@@ -1,7 +1,7 @@
 """HybridParallelTrainer: `transformers.Trainer.train()` on the plugin equals a plain one-process Trainer with the same
 arguments (the one-process batch holding every replica's rows): logged losses, grad norms and learning rates, the
 parameters at the end (through `save_model` + `from_pretrained`) and `evaluate()`'s loss, at tp=2 x pp=2 and at
-pp=2 x dp=2 with ZeRO-1 (4 ranks), with gradient accumulation, a warm-up scheduler, weight decay, clipping, and
+pp=2 x dp=2 with ZeRO-1 and tp=2 x dp=2 with ZeRO-1 (no pipeline: booster.backward per batch; 4 ranks), with gradient accumulation, a warm-up scheduler, weight decay, clipping, and
 labels with ignored positions (token-weighted loss over the accumulation window and the replicas)."""
 import os
 import sys
@@ -84,6 +84,7 @@ def _check_layout(plugin_kwargs: dict, reference: dict, output_dir: str) -> None
 def _layouts(references: dict, directory: str) -> None:
     _check_layout(dict(tp_size=2, pp_size=2), references[1], os.path.join(directory, "tp2pp2"))
     _check_layout(dict(pp_size=2, zero_stage=1), references[2], os.path.join(directory, "pp2dp2"))
+    _check_layout(dict(tp_size=2, zero_stage=1), references[2], os.path.join(directory, "tp2dp2"))  # pp=1
 
 
 def test_trainer_equals_one_process(tmp_path):

@@ -2,7 +2,8 @@
 arguments (the one-process batch holding every replica's rows): logged losses, grad norms and learning rates, the
 parameters at the end (through `save_model` + `from_pretrained`) and `evaluate()`'s loss, at tp=2 x pp=2 and at
 pp=2 x dp=2 with ZeRO-1 and tp=2 x dp=2 with ZeRO-1 (no pipeline: booster.backward per batch; 4 ranks), with gradient accumulation, a warm-up scheduler, weight decay, clipping, and
-labels with ignored positions (token-weighted loss over the accumulation window and the replicas)."""
+labels with ignored positions (token-weighted loss over the accumulation window and the replicas); checkpoints
+(`save_steps`, `save_total_limit`) resume into another layout."""
 import os
 import sys
 
@@ -55,36 +56,63 @@ def _reference(output_dir: str, replicas: int) -> dict:
             "final": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def _check_layout(plugin_kwargs: dict, reference: dict, output_dir: str) -> None:
+def _trainer(plugin_kwargs: dict, reference: dict, output_dir: str, **arg_overrides):
     from booster_plugin import HybridParallelPlugin, HybridParallelTrainer
 
     model = LlamaForCausalLM(mu.llama_config())
     model.load_state_dict(reference["initial"])
-    trainer = HybridParallelTrainer(model=model, args=_args(output_dir, BATCH), train_dataset=_dataset(ROWS, 1),
-                                    eval_dataset=_dataset(EVAL_ROWS, 2),
-                                    plugin=HybridParallelPlugin(**plugin_kwargs))
-    what = f"{plugin_kwargs}"
-    mu.assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), torch.tensor(reference["eval_before"]),
-                    f"{what}: eval loss before training")
-    trainer.train()
+    return HybridParallelTrainer(model=model, args=_args(output_dir, BATCH, **arg_overrides),
+                                 train_dataset=_dataset(ROWS, 1), eval_dataset=_dataset(EVAL_ROWS, 2),
+                                 plugin=HybridParallelPlugin(**plugin_kwargs))
+
+
+def _check_trained(trainer, reference: dict, what: str) -> None:
+    """Logged loss, grad norm, learning rate of every step, and the final parameters (saved, from_pretrained)."""
     logs, expected = _logs(trainer), reference["logs"]
     assert len(logs["loss"]) == STEPS, logs
     for key in ("loss", "grad_norm", "learning_rate"):
         mu.assert_close(torch.tensor(logs[key]), torch.tensor(expected[key]), f"{what}: logged {key}")
     assert max(expected["grad_norm"]) > 0.5, "the test should clip"
-    mu.assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), torch.tensor(reference["eval_after"]),
-                    f"{what}: eval loss after training")
-    saved = os.path.join(output_dir, "final")
+    saved = os.path.join(trainer.args.output_dir, "final")
     trainer.save_model(saved)
     loaded = LlamaForCausalLM.from_pretrained(saved)
     for name, value in loaded.state_dict().items():
         mu.assert_close(value, reference["final"][name], f"{what}: {name} after {STEPS} steps (from_pretrained)")
 
 
+def _check_layout(plugin_kwargs: dict, reference: dict, output_dir: str, **arg_overrides):
+    trainer = _trainer(plugin_kwargs, reference, output_dir, **arg_overrides)
+    what = f"{plugin_kwargs}"
+    mu.assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), torch.tensor(reference["eval_before"]),
+                    f"{what}: eval loss before training")
+    trainer.train()
+    mu.assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), torch.tensor(reference["eval_after"]),
+                    f"{what}: eval loss after training")
+    _check_trained(trainer, reference, what)
+
+
+def _check_refusals(reference: dict, directory: str) -> None:
+    """Trainer options acting on the unsharded model behind the plugin: refused on every rank, naming the fix."""
+    for overrides, fix in ((dict(activation_checkpointing=True), "gradient_checkpoint_config"),
+                           (dict(max_grad_norm=2.0), "set one of them")):
+        plugin = dict(pp_size=2, max_norm=1.0) if "max_grad_norm" in overrides else dict(pp_size=2)
+        with pytest.raises(ValueError, match=fix):
+            _trainer(plugin, reference, directory, **overrides)
+
+
 def _layouts(references: dict, directory: str) -> None:
+    _check_refusals(references[1], os.path.join(directory, "refused"))
     _check_layout(dict(tp_size=2, pp_size=2), references[1], os.path.join(directory, "tp2pp2"))
-    _check_layout(dict(pp_size=2, zero_stage=1), references[2], os.path.join(directory, "pp2dp2"))
+    # checkpoints every 2 steps, the last 2 kept
+    saving = os.path.join(directory, "pp2dp2")
+    _check_layout(dict(pp_size=2, zero_stage=1), references[2], saving, save_strategy="steps", save_steps=2,
+                  save_total_limit=2)
+    assert sorted(os.listdir(saving)) == ["checkpoint-4", "checkpoint-6", "final"], os.listdir(saving)
     _check_layout(dict(tp_size=2, zero_stage=1), references[2], os.path.join(directory, "tp2dp2"))  # pp=1
+    # resumed after step 4 into another layout (pp=2 -> tp=2, ZeRO-1 over dp=2 in both): steps 5, 6 as uninterrupted
+    resumed = _trainer(dict(tp_size=2, zero_stage=1), references[2], os.path.join(directory, "resumed"))
+    resumed.train(resume_from_checkpoint=os.path.join(saving, "checkpoint-4"))
+    _check_trained(resumed, references[2], "resumed at step 4 from pp=2 into tp=2")
 
 
 def test_trainer_equals_one_process(tmp_path):

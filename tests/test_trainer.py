@@ -14,6 +14,7 @@ from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 
+METRICS = ("eval_loss", "eval_accuracy", "eval_rows", "eval_logit_abs")
 ROWS, EVAL_ROWS, STEPS, ACCUMULATION, BATCH = 48, 16, 6, 2, 2  # BATCH: rows per replica and Trainer batch
 
 
@@ -38,6 +39,15 @@ def _args(output_dir: str, batch: int, **overrides) -> TrainingArguments:
         report_to="none", save_strategy="no", seed=7, use_cpu=True, disable_tqdm=True), **overrides})
 
 
+def _metrics(prediction) -> dict:
+    """compute_metrics: next-token accuracy, the number of rows and the mean |logit| (full logits)."""
+    logits, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
+    mask = labels[:, 1:] != -100
+    hits = (logits[:, :-1].argmax(-1) == labels[:, 1:])[mask]
+    return {"accuracy": hits.float().mean().item(), "rows": float(logits.shape[0]),
+            "logit_abs": logits.abs().mean().item()}
+
+
 def _logs(trainer) -> dict:
     steps = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
     return {key: [h[key] for h in steps] for key in ("loss", "grad_norm", "learning_rate")}
@@ -50,8 +60,11 @@ def _reference(output_dir: str, replicas: int) -> dict:
     trainer = Trainer(model=model, args=_args(output_dir, BATCH * replicas),
                       train_dataset=_dataset(ROWS, 1), eval_dataset=_dataset(EVAL_ROWS, 2))
     before = trainer.evaluate()["eval_loss"]
+    trainer.compute_metrics = _metrics
+    metrics = {k: v for k, v in trainer.evaluate().items() if k in METRICS}
+    trainer.compute_metrics = None
     trainer.train()
-    return {"initial": initial, "logs": _logs(trainer), "eval_before": before,
+    return {"initial": initial, "logs": _logs(trainer), "eval_before": before, "metrics": metrics,
             "eval_after": trainer.evaluate()["eval_loss"],
             "final": {k: v.clone() for k, v in model.state_dict().items()}}
 
@@ -85,6 +98,12 @@ def _check_layout(plugin_kwargs: dict, reference: dict, output_dir: str, **arg_o
     what = f"{plugin_kwargs}"
     mu.assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), torch.tensor(reference["eval_before"]),
                     f"{what}: eval loss before training")
+    if trainer.plugin.pp_size == 1:  # logits for compute_metrics (under pp: not yet, refused)
+        trainer.compute_metrics = _metrics
+        metrics = trainer.evaluate()
+        for key in METRICS:
+            mu.assert_close(torch.tensor(metrics[key]), torch.tensor(reference["metrics"][key]), f"{what}: {key}")
+        trainer.compute_metrics = None
     trainer.train()
     mu.assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), torch.tensor(reference["eval_after"]),
                     f"{what}: eval loss after training")

@@ -15,13 +15,15 @@ Overrides (each of the installed Trainer, transformers 5.x), and why:
 - `_clip_grad_norm` / `_get_grad_norm` / `_maybe_log_save_evaluate`: the boosted optimizer clips the global norm
   (over tp, pp, dp slices) inside its step, with `max_grad_norm`; the logged norm is the one it measured.
 - `prediction_step`: under pp, the eval loss from a forward-only pipeline step.
+- `gather_function` (a property: Trainer assigns it): evaluation results gathered over replicas, not processes.
 - `save_model` and the checkpoint hooks: the booster's collective save/load (checkpoint.py).
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Dict, Optional
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -29,6 +31,7 @@ from torch import nn
 from .. import Booster
 from .checkpoint import CheckpointHooks
 from .data import Replica, dataloader_params, replica_dataloader
+from .gather import gather_replicas, replica_representatives
 from .pipeline_step import AccumulationWindow, concat_batches, pipeline_loss
 
 
@@ -44,6 +47,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         self.plugin = plugin
         self.booster = Booster(plugin=plugin)
         self._window = AccumulationWindow()
+        self._representatives: Optional[List[int]] = None  # one world rank per replica (gather_function)
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         self._boost()
@@ -119,6 +123,19 @@ class HybridParallelTrainerMixin(CheckpointHooks):
             sampler = sampler_fn(dataset)
         return replica_dataloader(dataset, dataloader_params(self.args, batch_size, collator), sampler, is_training,
                                   self.args, self.accelerator, Replica(self.plugin.dp_rank, self.plugin.dp_size))
+
+    @property
+    def gather_function(self) -> Callable[[Any], Any]:
+        """Trainer's gather of evaluation losses, logits and labels: over the replicas (gather.py)."""
+        if self.args.eval_use_gather_object:
+            raise ValueError("HybridParallelTrainer does not support eval_use_gather_object=True.")
+        if self._representatives is None:
+            self._representatives = replica_representatives(self.plugin.dp_rank)
+        return partial(gather_replicas, accelerator=self.accelerator, representatives=self._representatives)
+
+    @gather_function.setter
+    def gather_function(self, value: Callable[[Any], Any]) -> None:
+        """Trainer assigns accelerate's gather over processes (at init, after each evaluation): not used."""
 
     # -- steps -----------------------------------------------------------------------------------------------
     def _dp_loss_scale(self, num_items_in_batch) -> float:

@@ -30,7 +30,7 @@ def gather_replicas(data: Any, accelerator: Accelerator, representatives: List[i
         rows = tensor.shape[0] // world  # equal per rank (accelerate's even batches, padded lengths)
         return torch.cat([tensor[r * rows:(r + 1) * rows] for r in representatives])
 
-    kept = gathered
+    kept = recursively_apply(keep, gathered)
     state = accelerator.gradient_state
     if state.end_of_dataloader and state.remainder > 0:  # accelerate's own truncation of the last batch
         kept = recursively_apply(lambda t: t[:state.remainder], kept)

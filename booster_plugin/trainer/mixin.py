@@ -14,7 +14,8 @@ Overrides (each of the installed Trainer, transformers 5.x), and why:
 - `training_step`: `booster.backward` (pp = 1) or one `execute_pipeline` per accumulation window (pipeline_step.py).
 - `_clip_grad_norm` / `_get_grad_norm` / `_maybe_log_save_evaluate`: the boosted optimizer clips the global norm
   (over tp, pp, dp slices) inside its step, with `max_grad_norm`; the logged norm is the one it measured.
-- `prediction_step`: under pp, the eval loss from a forward-only pipeline step.
+- `prediction_step`: under pp, a forward-only pipeline step: its loss, and the full logits broadcast from the last
+  stage for `compute_metrics` / `predict()`.
 - `gather_function` (a property: Trainer assigns it): evaluation results gathered over replicas, not processes.
 - `save_model` and the checkpoint hooks: the booster's collective save/load (checkpoint.py).
 """
@@ -32,7 +33,7 @@ from .. import Booster
 from .checkpoint import CheckpointHooks
 from .data import Replica, dataloader_params, replica_dataloader
 from .gather import gather_replicas, replica_representatives
-from .pipeline_step import AccumulationWindow, concat_batches, pipeline_loss
+from .pipeline_step import AccumulationWindow, concat_batches, logits_on_every_stage, pipeline_loss
 
 
 class HybridParallelTrainerMixin(CheckpointHooks):
@@ -184,15 +185,18 @@ class HybridParallelTrainerMixin(CheckpointHooks):
                         ignore_keys=None):
         if self.plugin.pp_size == 1:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        if not prediction_loss_only:
-            raise ValueError("HybridParallelTrainer under pp_size > 1 evaluates the loss only so far: "
-                             "compute_metrics and predict() need the logits on every rank (not yet). Use "
-                             "prediction_loss_only=True, or a plugin with pp_size=1 for predictions.")
         inputs = self._prepare_inputs(inputs)
         num_items = self._get_num_items_in_batch([inputs], self.args.device)
         with torch.no_grad():
-            out = pipeline_loss(self.booster, model, None, inputs, num_items, self._dp_loss_scale(num_items))
-        return out["loss"].detach().to(self.args.device), None, None
+            out = pipeline_loss(self.booster, model, None, inputs, num_items, self._dp_loss_scale(num_items),
+                                return_outputs=not prediction_loss_only)
+        loss = out["loss"].detach().to(self.args.device)
+        if prediction_loss_only:
+            return loss, None, None
+        logits = logits_on_every_stage(out["outputs"], self.plugin.pp_group, self.args.device)
+        labels = inputs.get("labels") if len(self.label_names) == 1 else \
+            tuple(inputs.get(name) for name in self.label_names)
+        return loss, logits, labels
 
 
 def _is_hf_dataset(dataset: Any) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 Batch = Dict[str, Any]
 
@@ -77,3 +78,19 @@ class AccumulationWindow:
             return None
         batches, self.batches = self.batches, []
         return batches
+
+
+def logits_on_every_stage(outputs: Optional[Dict[str, Any]], pp_group, device: torch.device) -> torch.Tensor:
+    """The step's full logits, which the rank holding the last stage has, on every pipeline rank (collective over
+    the pp group: the holder's shape, then the logits, broadcast)."""
+    logits = None if outputs is None else outputs.get("logits")
+    if outputs is not None and logits is None:
+        raise ValueError("HybridParallelTrainer under pipeline parallelism: the model returned no `logits` for "
+                         "compute_metrics / predict().")
+    shapes: List[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(shapes, None if logits is None else (tuple(logits.shape), logits.dtype), group=pp_group)
+    holder = next(i for i, shape in enumerate(shapes) if shape is not None)
+    if logits is None:
+        logits = torch.empty(shapes[holder][0], dtype=shapes[holder][1], device=device)
+    dist.broadcast(logits, group=pp_group, group_src=holder)
+    return logits

@@ -113,6 +113,7 @@ def _check_layout(plugin_kwargs: dict, reference: dict, output_dir: str, **arg_o
 def _check_refusals(reference: dict, directory: str) -> None:
     """Trainer options acting on the unsharded model behind the plugin: refused on every rank, naming the fix."""
     for overrides, fix in ((dict(activation_checkpointing=True), "gradient_checkpoint_config"),
+                           (dict(use_cpu=False), "use_cpu=True"),
                            (dict(max_grad_norm=2.0), "set one of them")):
         plugin = dict(pp_size=2, max_norm=1.0) if "max_grad_norm" in overrides else dict(pp_size=2)
         with pytest.raises(ValueError, match=fix):

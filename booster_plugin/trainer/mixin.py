@@ -27,6 +27,7 @@ from functools import partial
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import Booster
@@ -57,6 +58,10 @@ class HybridParallelTrainerMixin(CheckpointHooks):
     def _refuse_unsupported(self) -> None:
         """Options acting on the whole model outside the plugin: refused on every rank, before any collective."""
         args, problems = self.args, []
+        if args.world_size != dist.get_world_size():
+            problems.append(f"TrainingArguments sees {args.world_size} process(es) in a job of "
+                            f"{dist.get_world_size()} (accelerate's state): on CPU accelerate counts the processes "
+                            f"only with TrainingArguments(use_cpu=True)")
         if self.model_init is not None:
             problems.append("model_init (hyperparameter search): pass the model itself")
         if args.activation_checkpointing:

@@ -143,5 +143,6 @@ def test_trainer_equals_one_process(tmp_path):
 def test_import_is_lazy():
     import subprocess
     code = ("import sys, booster_plugin; assert 'transformers.trainer' not in sys.modules, 'eager'; "
+            "assert 'accelerate' not in sys.modules, 'eager'; "
             "from booster_plugin import HybridParallelTrainer; assert 'transformers.trainer' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

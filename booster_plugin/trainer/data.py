@@ -36,8 +36,6 @@ def replica_dataloader(dataset: Dataset, params: dict, sampler: Optional[torch.u
     sampler's order to replica i % count; seedable sampler and RNG synchronisation as accelerate's own)."""
     params = dict(params)
     if not isinstance(dataset, IterableDataset):
-        if sampler is not None and not hasattr(sampler, "__len__"):
-            raise ValueError("HybridParallelTrainer: a sampler without a length is not supported.")
         if sampler is not None:
             params["sampler"] = sampler
         params["drop_last"] = args.dataloader_drop_last

@@ -91,6 +91,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
             setattr(self.callback_handler, attr, getattr(self, attr))
 
     def _prepare_for_training(self, max_steps: int, train_dataloader, resume_from_checkpoint: Optional[str]):
+        self._window = AccumulationWindow()  # nothing left over from a run stopped inside a window
         if self._created_lr_scheduler:  # as Trainer: a scheduler it made is remade for this run's step count
             self.lr_scheduler = None
             self._created_lr_scheduler = False
@@ -162,7 +163,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
             out = pipeline_loss(self.booster, model, self.optimizer, batch, num_items_in_batch,
                                 self._dp_loss_scale(num_items_in_batch))
             return out["loss"].detach().to(self.args.device)
-        last = self._window.add({}, window) is not None
+        last = self._window.add(None, window) is not None
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():

@@ -68,17 +68,20 @@ def pipeline_loss(booster, model, optimizer, batch: Batch, num_items_in_batch: O
 
 @dataclass
 class AccumulationWindow:
-    """The batches of the current accumulation window, and its loss-item count."""
+    """Where Trainer is in its accumulation window (it calls training_step once per batch), and the batches kept."""
     batches: List[Batch] = field(default_factory=list)
+    seen: int = 0
 
-    def add(self, batch: Batch, window_size: int) -> Optional[List[Batch]]:
-        """Keep `batch`; the window's batches once it holds `window_size` of them (then it starts over)."""
-        self.batches.append(batch)
-        if len(self.batches) < window_size:
+    def add(self, batch: Optional[Batch], window_size: int) -> Optional[List[Batch]]:
+        """Count a batch (kept unless None); at the window's last batch its kept batches (then it starts over),
+        before it None."""
+        self.seen += 1
+        if batch is not None:
+            self.batches.append(batch)
+        if self.seen < window_size:
             return None
-        batches, self.batches = self.batches, []
+        batches, self.batches, self.seen = self.batches, [], 0
         return batches
-
 
 def logits_on_every_stage(outputs: Optional[Dict[str, Any]], pp_group, device: torch.device) -> torch.Tensor:
     """The step's full logits, which the rank holding the last stage has, on every pipeline rank (collective over

@@ -68,6 +68,10 @@ class HybridParallelTrainerMixin(CheckpointHooks):
             problems.append("activation_checkpointing=True: use HybridParallelPlugin(gradient_checkpoint_config=...)")
         if args.train_sampling_strategy == "batch_rebalance":
             problems.append("train_sampling_strategy='batch_rebalance' (its sampler shards over the world)")
+        if args.load_best_model_at_end:
+            problems.append("load_best_model_at_end=True (not yet)")
+        if args.torch_compile:
+            problems.append("torch_compile=True (accelerate would compile the model it wraps; this one is not)")
         if args.fp16 or args.bf16:
             problems.append("fp16/bf16 training arguments: use HybridParallelPlugin(precision='bf16' or 'fp16')")
         if self.plugin.pp_size > 1 and (self.compute_loss_func is not None or self.label_smoother is not None):

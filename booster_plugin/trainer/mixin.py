@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from functools import partial
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -140,13 +139,16 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         """Trainer's gather of evaluation losses, logits and labels: over the replicas (gather.py)."""
         if self.args.eval_use_gather_object:
             raise ValueError("HybridParallelTrainer does not support eval_use_gather_object=True.")
-        if self._representatives is None:
-            self._representatives = replica_representatives(self.plugin.dp_rank)
-        return partial(gather_replicas, accelerator=self.accelerator, representatives=self._representatives)
+        return self._gather_over_replicas
 
     @gather_function.setter
     def gather_function(self, value: Callable[[Any], Any]) -> None:
         """Trainer assigns accelerate's gather over processes (at init, after each evaluation): not used."""
+
+    def _gather_over_replicas(self, data: Any) -> Any:
+        if self._representatives is None:
+            self._representatives = replica_representatives(self.plugin.dp_rank)
+        return gather_replicas(data, self.accelerator, self._representatives)
 
     # -- steps -----------------------------------------------------------------------------------------------
     def _dp_loss_scale(self, num_items_in_batch) -> float:
@@ -162,18 +164,14 @@ class HybridParallelTrainerMixin(CheckpointHooks):
             batches = self._window.add(inputs, window)
             if batches is None:  # the pipeline runs the whole window at its last batch
                 return torch.zeros((), device=self.args.device)
-            model.train()
-            batch = self._prepare_inputs(concat_batches(batches))
-            out = pipeline_loss(self.booster, model, self.optimizer, batch, num_items_in_batch,
-                                self._dp_loss_scale(num_items_in_batch))
-            return out["loss"].detach().to(self.args.device)
+            return self._pipeline_training_step(model, batches, num_items_in_batch)
         last = self._window.add(None, window) is not None
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         scaled = self.loss_is_scaled_for_ga
-        if scaled is None:
+        if scaled is None:  # as Trainer.training_step decides
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
                 self.compute_loss_func is not None
         if not scaled:
@@ -181,6 +179,15 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         with contextlib.nullcontext() if last else self.booster.no_sync(model, self.optimizer):
             self.booster.backward(loss, self.optimizer)
         return loss.detach()
+
+    def _pipeline_training_step(self, model: nn.Module, batches: List[Dict[str, Any]],
+                                num_items_in_batch) -> torch.Tensor:
+        """One pipeline step over the window's batches; their summed loss (what Trainer's per-batch steps add)."""
+        model.train()
+        batch = self._prepare_inputs(concat_batches(batches))
+        out = pipeline_loss(self.booster, model, self.optimizer, batch, num_items_in_batch,
+                            self._dp_loss_scale(num_items_in_batch))
+        return out["loss"].detach().to(self.args.device)
 
     def _clip_grad_norm(self, model: nn.Module):
         return None  # the boosted optimizer clips in its step (global norm over every shard)

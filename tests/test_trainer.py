@@ -39,6 +39,14 @@ def _args(output_dir: str, batch: int, **overrides) -> TrainingArguments:
         report_to="none", save_strategy="no", seed=7, use_cpu=True, disable_tqdm=True), **overrides})
 
 
+class HalfLossTrainer(Trainer):
+    """A Trainer subclass with its own compute_loss, as user and library trainers have (composition check)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        return (loss * 0.5, outputs) if return_outputs else loss * 0.5
+
+
 def _metrics(prediction) -> dict:
     """compute_metrics: next-token accuracy, the number of rows and the mean |logit| (full logits)."""
     logits, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
@@ -53,11 +61,11 @@ def _logs(trainer) -> dict:
     return {key: [h[key] for h in steps] for key in ("loss", "grad_norm", "learning_rate")}
 
 
-def _reference(output_dir: str, replicas: int) -> dict:
+def _reference(output_dir: str, replicas: int, trainer_class=Trainer) -> dict:
     """One process, plain Trainer, the same arguments with every replica's rows in its batch."""
     model = mu.build("llama_lm")
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = Trainer(model=model, args=_args(output_dir, BATCH * replicas),
+    trainer = trainer_class(model=model, args=_args(output_dir, BATCH * replicas),
                       train_dataset=_dataset(ROWS, 1), eval_dataset=_dataset(EVAL_ROWS, 2))
     before = trainer.evaluate()["eval_loss"]
     trainer.compute_metrics = _metrics
@@ -69,12 +77,12 @@ def _reference(output_dir: str, replicas: int) -> dict:
             "final": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def _trainer(plugin_kwargs: dict, reference: dict, output_dir: str, **arg_overrides):
+def _trainer(plugin_kwargs: dict, reference: dict, output_dir: str, trainer_class=None, **arg_overrides):
     from booster_plugin import HybridParallelPlugin, HybridParallelTrainer
 
     model = LlamaForCausalLM(mu.llama_config())
     model.load_state_dict(reference["initial"])
-    return HybridParallelTrainer(model=model, args=_args(output_dir, BATCH, **arg_overrides),
+    return (trainer_class or HybridParallelTrainer)(model=model, args=_args(output_dir, BATCH, **arg_overrides),
                                  train_dataset=_dataset(ROWS, 1), eval_dataset=_dataset(EVAL_ROWS, 2),
                                  plugin=HybridParallelPlugin(**plugin_kwargs))
 
@@ -93,8 +101,8 @@ def _check_trained(trainer, reference: dict, what: str) -> None:
         mu.assert_close(value, reference["final"][name], f"{what}: {name} after {STEPS} steps (from_pretrained)")
 
 
-def _check_layout(plugin_kwargs: dict, reference: dict, output_dir: str, **arg_overrides):
-    trainer = _trainer(plugin_kwargs, reference, output_dir, **arg_overrides)
+def _check_layout(plugin_kwargs: dict, reference: dict, output_dir: str, trainer_class=None, **arg_overrides):
+    trainer = _trainer(plugin_kwargs, reference, output_dir, trainer_class, **arg_overrides)
     what = f"{plugin_kwargs}"
     mu.assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), torch.tensor(reference["eval_before"]),
                     f"{what}: eval loss before training")
@@ -129,6 +137,15 @@ def _layouts(references: dict, directory: str) -> None:
                   save_total_limit=2)
     assert sorted(os.listdir(saving)) == ["checkpoint-4", "checkpoint-6", "final"], os.listdir(saving)
     _check_layout(dict(tp_size=2, zero_stage=1), references[2], os.path.join(directory, "tp2dp2"))  # pp=1
+    # the mixin on a Trainer subclass with its own compute_loss (pp=1; under pp such an override is refused)
+    from booster_plugin import HybridParallelTrainerMixin
+
+    class Composed(HybridParallelTrainerMixin, HalfLossTrainer):
+        pass
+
+    _check_layout(dict(tp_size=2, zero_stage=1), references["half"], os.path.join(directory, "composed"), Composed)
+    with pytest.raises(ValueError, match="compute_loss override"):
+        _trainer(dict(pp_size=2), references["half"], os.path.join(directory, "refused"), Composed)
     # resumed after step 4 into another layout (pp=2 -> tp=2, ZeRO-1 over dp=2 in both): steps 5, 6 as uninterrupted
     resumed = _trainer(dict(tp_size=2, zero_stage=1), references[2], os.path.join(directory, "resumed"))
     resumed.train(resume_from_checkpoint=os.path.join(saving, "checkpoint-4"))
@@ -137,6 +154,7 @@ def _layouts(references: dict, directory: str) -> None:
 
 def test_trainer_equals_one_process(tmp_path):
     references = {replicas: _reference(str(tmp_path / f"ref{replicas}"), replicas) for replicas in (1, 2)}
+    references["half"] = _reference(str(tmp_path / "ref_half"), 2, HalfLossTrainer)
     run_distributed(4, _layouts, references, str(tmp_path))
 
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import Trainer
 
 from .. import Booster
 from .checkpoint import CheckpointHooks
@@ -73,9 +74,10 @@ class HybridParallelTrainerMixin(CheckpointHooks):
             problems.append("torch_compile=True (accelerate would compile the model it wraps; this one is not)")
         if args.fp16 or args.bf16:
             problems.append("fp16/bf16 training arguments: use HybridParallelPlugin(precision='bf16' or 'fp16')")
-        if self.plugin.pp_size > 1 and (self.compute_loss_func is not None or self.label_smoother is not None):
-            problems.append("compute_loss_func / label_smoothing_factor under pp_size > 1 (the pipeline uses the "
-                            "model's own loss)")
+        if self.plugin.pp_size > 1 and (self.compute_loss_func is not None or self.label_smoother is not None
+                                        or type(self).compute_loss is not Trainer.compute_loss):
+            problems.append("compute_loss_func, label_smoothing_factor or a compute_loss override under "
+                            "pp_size > 1 (the pipeline uses the model's own loss)")
         if self.plugin.max_norm > 0 and args.max_grad_norm > 0 and self.plugin.max_norm != args.max_grad_norm:
             problems.append(f"HybridParallelPlugin(max_norm={self.plugin.max_norm}) and TrainingArguments("
                             f"max_grad_norm={args.max_grad_norm}) differ: set one of them")

@@ -1,7 +1,8 @@
 """HybridParallelTrainer: `transformers.Trainer.train()` on the plugin equals a plain one-process Trainer with the same
 arguments (the one-process batch holding every replica's rows): logged losses, grad norms and learning rates, the
-parameters at the end (through `save_model` + `from_pretrained`) and `evaluate()`'s loss, at tp=2 x pp=2 and at
-pp=2 x dp=2 with ZeRO-1 and tp=2 x dp=2 with ZeRO-1 (no pipeline: booster.backward per batch; 4 ranks), with gradient accumulation, a warm-up scheduler, weight decay, clipping, and
+parameters at the end (through `save_model` + `from_pretrained`) and `evaluate()`'s loss, at tp=2 x pp=2, pp=2 x
+dp=2 with ZeRO-1, tp=2 x dp=2 with ZeRO-1 (no pipeline: booster.backward per batch), ring attention over sp=2 x dp=2
+and Ulysses over sp=2 x pp=2 (4 ranks), with gradient accumulation, a warm-up scheduler, weight decay, clipping, and
 labels with ignored positions (token-weighted loss over the accumulation window and the replicas); checkpoints
 (`save_steps`, `save_total_limit`) resume into another layout."""
 import os
@@ -137,6 +138,11 @@ def _layouts(references: dict, directory: str) -> None:
                   save_total_limit=2)
     assert sorted(os.listdir(saving)) == ["checkpoint-4", "checkpoint-6", "final"], os.listdir(saving)
     _check_layout(dict(tp_size=2, zero_stage=1), references[2], os.path.join(directory, "tp2dp2"))  # pp=1
+    # sequence parallelism: ring attention over sp=2 x dp=2, Ulysses over sp=2 x pp=2 (sp ranks share a batch)
+    _check_layout(dict(sp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="ring_attn"),
+                  references[2], os.path.join(directory, "ring2dp2"))
+    _check_layout(dict(sp_size=2, pp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all"),
+                  references[1], os.path.join(directory, "ulysses2pp2"))
     # the mixin on a Trainer subclass with its own compute_loss (pp=1; under pp such an override is refused)
     from booster_plugin import HybridParallelTrainerMixin
 

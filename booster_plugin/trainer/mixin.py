@@ -78,6 +78,9 @@ class HybridParallelTrainerMixin(CheckpointHooks):
                                         or type(self).compute_loss is not Trainer.compute_loss):
             problems.append("compute_loss_func, label_smoothing_factor or a compute_loss override under "
                             "pp_size > 1 (the pipeline uses the model's own loss)")
+        if self.plugin.pp_size > 1 and self.plugin.config.pipeline.loss_weight_fn is not None:
+            problems.append("HybridParallelPlugin(loss_weight_fn=...): Trainer weighs the loss by its tokens itself "
+                            "(num_items_in_batch); drop loss_weight_fn")
         if self.plugin.max_norm > 0 and args.max_grad_norm > 0 and self.plugin.max_norm != args.max_grad_norm:
             problems.append(f"HybridParallelPlugin(max_norm={self.plugin.max_norm}) and TrainingArguments("
                             f"max_grad_norm={args.max_grad_norm}) differ: set one of them")

@@ -1,11 +1,13 @@
 """Trainer steps under pipeline parallelism. Trainer calls `training_step` once per batch of an accumulation window;
-a pipeline needs the window's batches at once (they become its microbatches). `AccumulationWindow` keeps the batches
-until the window is complete; the last call runs `execute_pipeline` over their concatenation.
+a pipeline needs the window's batches at once (one step over their concatenation, which the plugin splits into its
+microbatches). `AccumulationWindow` keeps the batches until the window is complete; the last call runs
+`execute_pipeline`.
 
 Loss: the model computes its own loss with `num_items_in_batch` (the window's loss items over every replica, as
 Trainer counts them), so each microbatch's loss is its share of the token-weighted window loss. The pipeline averages
 its microbatch losses (ColossalAI's definition) and the plugin averages gradients over data parallel: the criterion
-multiplies by the number of microbatches and by `dp_scale`, giving one process's sum over the window."""
+multiplies by the number of microbatches and by `dp_scale`, giving one process's sum over the window, whatever the
+split."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -19,4 +19,14 @@ from .plugins.torch_ddp import TorchDDPPlugin
 __all__ = ["Booster", "Plugin", "DPPluginBase", "HybridParallelPlugin", "MoeHybridParallelPlugin", "LowLevelZeroPlugin",
            "TorchDDPPlugin", "GeminiPlugin", "TorchFSDPPlugin",
            "HybridParallelModule", "HybridParallelOptimizer", "GradientCheckpointConfig", "StatefulDistributedSampler",
-           "world_group"]
+           "world_group", "HybridParallelTrainer", "HybridParallelTrainerMixin"]
+
+_TRAINER_NAMES = ("HybridParallelTrainer", "HybridParallelTrainerMixin")
+
+
+def __getattr__(name: str):
+    """The Trainer integration, imported on first use (it imports transformers.Trainer and accelerate)."""
+    if name in _TRAINER_NAMES:
+        from . import trainer
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

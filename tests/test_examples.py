@@ -30,6 +30,17 @@ def test_train_gpt2_example_runs_with_pipeline_parallel(tmp_path):
     assert list((tmp_path / "gpt2").glob("*.safetensors"))
 
 
+
+def test_trainer_sft_example_runs(tmp_path):
+    """examples/trainer_sft.py: HybridParallelTrainer at pp=2, evaluate, save_model, plain transformers reloads."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(ROOT / "examples" / "trainer_sft.py"), "--steps", "4", "--out", str(tmp_path / "sft")]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "validation loss after" in run.stdout and "generated from" in run.stdout, run.stdout[-3000:]
+    assert (tmp_path / "sft" / "final" / "config.json").exists()
+
 SCRIPT = """
 import torch, torch.distributed as dist
 from booster_plugin import Booster, HybridParallelPlugin

@@ -1,0 +1,99 @@
+"""Supervised fine-tuning with Hugging Face's Trainer on tensor x pipeline x data parallel (HybridParallelTrainer).
+
+A small Llama learns to answer "Explain Python's `for`." with the reference documentation of that topic (Python's
+own pydoc topics, offline); the loss counts the answer's tokens only (prompt and padding labels are -100), so
+Trainer's token-weighted loss over the accumulation window and the replicas matters.
+
+    torchrun --nproc_per_node=4 examples/trainer_sft.py                  # tp=2 x pp=2
+    torchrun --nproc_per_node=2 examples/trainer_sft.py --tp 1 --pp 2    # pp=2
+    torchrun --nproc_per_node=4 examples/trainer_sft.py --tp 1 --pp 2 --zero 1   # pp=2 x dp=2, ZeRO-1
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import transformers
+from pydoc_data.topics import topics
+from torch.utils.data import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+from booster_plugin import HybridParallelPlugin, HybridParallelTrainer, world_group
+from common import default_layout, generate_from_checkpoint, init_distributed, log
+from data import shared_tokenizer, unwrap_lines
+
+
+class QuestionAnswers(Dataset):
+    """`Explain Python's `topic`.` -> the topic's documentation, padded to `seq_len`; labels on the answer only."""
+
+    def __init__(self, tokenizer, names, seq_len: int) -> None:
+        self.rows = []
+        for name in names:
+            prompt = tokenizer(f"Explain Python's `{name}`.\n")["input_ids"]
+            answer = tokenizer(unwrap_lines(topics[name]))["input_ids"] + [tokenizer.eos_token_id]
+            ids = (prompt + answer)[:seq_len]
+            labels = [-100] * len(prompt) + answer
+            pad = seq_len - len(ids)
+            self.rows.append({"input_ids": torch.tensor(ids + [tokenizer.pad_token_id] * pad),
+                              "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+                              "labels": torch.tensor(labels[:seq_len] + [-100] * pad)})
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        return self.rows[i]
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: by world size)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline parallel size (default: by world size)")
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage over data parallel")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=8, help="per data-parallel replica and accumulation step")
+    p.add_argument("--accumulation", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--out", default="out/trainer_sft")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    init_distributed()
+    if dist.get_rank() != 0:
+        transformers.logging.set_verbosity_error()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    tp, pp = (args.tp or 1, args.pp or 1) if args.tp or args.pp else default_layout(dist.get_world_size())
+    names = sorted(topics)
+    tokenizer = shared_tokenizer([unwrap_lines(topics[n]) for n in names])
+    train_set = QuestionAnswers(tokenizer, [n for i, n in enumerate(names) if i % 10], args.seq_len)
+    val_set = QuestionAnswers(tokenizer, [n for i, n in enumerate(names) if i % 10 == 0], args.seq_len)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    training = TrainingArguments(
+        args.out, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.accumulation, max_steps=args.steps, learning_rate=2e-3, warmup_steps=5,
+        weight_decay=0.01, max_grad_norm=1.0, logging_steps=10, save_strategy="no", report_to="none",
+        dataloader_drop_last=True, use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+    trainer = HybridParallelTrainer(model=model, args=training, train_dataset=train_set, eval_dataset=val_set,
+                                    processing_class=tokenizer,
+                                    plugin=HybridParallelPlugin(tp_size=tp, pp_size=pp, zero_stage=args.zero))
+    log(f"tp={tp} pp={pp} dp={trainer.plugin.dp_size}: {len(train_set)} questions, validation {len(val_set)}")
+    log(f"validation loss before: {trainer.evaluate()['eval_loss']:.4f}")
+    trainer.train()
+    log(f"validation loss after: {trainer.evaluate()['eval_loss']:.4f}")
+    final = os.path.join(args.out, "final")
+    trainer.save_model(final)  # a Hugging Face folder with the tokenizer: plain transformers loads it
+    dist.barrier(group=world_group())
+    generate_from_checkpoint(final, "Explain Python's `for`.\n")
+    dist.barrier(group=world_group())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

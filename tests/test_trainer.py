@@ -1,0 +1,184 @@
+"""HybridParallelTrainer: `transformers.Trainer.train()` on the plugin equals a plain one-process Trainer with the same
+arguments (the one-process batch holding every replica's rows): logged losses, grad norms and learning rates, the
+parameters at the end (through `save_model` + `from_pretrained`) and `evaluate()`'s loss, at tp=2 x pp=2, pp=2 x
+dp=2 with ZeRO-1, tp=2 x dp=2 with ZeRO-1 (no pipeline: booster.backward per batch), ring attention over sp=2 x dp=2,
+Ulysses over sp=2 x pp=2 and Qwen3-MoE's experts over ep=2 x pp=2 (4 ranks), with gradient accumulation, a warm-up
+scheduler, weight decay, clipping, and labels with ignored positions (token-weighted loss over the accumulation
+window and the replicas); checkpoints (`save_steps`, `save_total_limit`) resume into another layout."""
+import os
+import sys
+
+import pytest
+import torch
+import transformers
+from transformers import Trainer, TrainingArguments
+
+from hp_check.tiny import tiny_config
+from tests import model_utils as mu
+from tests.dist_utils import run_distributed
+
+METRICS = ("eval_loss", "eval_accuracy", "eval_rows", "eval_logit_abs")
+ROWS, EVAL_ROWS, STEPS, ACCUMULATION, BATCH = 48, 16, 6, 2, 2  # BATCH: rows per replica and Trainer batch
+
+
+def _dataset(rows: int, seed: int) -> list:
+    """Fixed-length rows whose labels ignore a varying number of positions (-100), so that microbatches and
+    replicas hold different numbers of loss tokens."""
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for i in range(rows):
+        ids = torch.randint(1, mu.VOCAB, (mu.SEQ,), generator=g)
+        labels = ids.clone()
+        labels[: i % 5] = -100
+        data.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    return data
+
+
+def _args(output_dir: str, batch: int, **overrides) -> TrainingArguments:
+    return TrainingArguments(**{**dict(
+        output_dir=output_dir, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, learning_rate=3e-3, weight_decay=0.1,
+        warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=0.5, adam_epsilon=1e-6, logging_steps=1,
+        report_to="none", save_strategy="no", seed=7, use_cpu=True, disable_tqdm=True), **overrides})
+
+
+class HalfLossTrainer(Trainer):
+    """A Trainer subclass with its own compute_loss, as user and library trainers have (composition check)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        return (loss * 0.5, outputs) if return_outputs else loss * 0.5
+
+
+def _metrics(prediction) -> dict:
+    """compute_metrics: next-token accuracy, the number of rows and the mean |logit| (full logits)."""
+    logits, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
+    mask = labels[:, 1:] != -100
+    hits = (logits[:, :-1].argmax(-1) == labels[:, 1:])[mask]
+    return {"accuracy": hits.float().mean().item(), "rows": float(logits.shape[0]),
+            "logit_abs": logits.abs().mean().item()}
+
+
+def _logs(trainer) -> dict:
+    steps = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    return {key: [h[key] for h in steps] for key in ("loss", "grad_norm", "learning_rate")}
+
+
+def _reference(output_dir: str, replicas: int, trainer_class=Trainer, model=None) -> dict:
+    """One process, plain Trainer, the same arguments with every replica's rows in its batch."""
+    model = model if model is not None else mu.build("llama_lm")
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = trainer_class(model=model, args=_args(output_dir, BATCH * replicas),
+                      train_dataset=_dataset(ROWS, 1), eval_dataset=_dataset(EVAL_ROWS, 2))
+    before = trainer.evaluate()["eval_loss"]
+    trainer.compute_metrics = _metrics
+    metrics = {k: v for k, v in trainer.evaluate().items() if k in METRICS}
+    trainer.compute_metrics = None
+    trainer.train()
+    return {"initial": initial, "config": model.config, "model_class": type(model), "logs": _logs(trainer), "eval_before": before, "metrics": metrics,
+            "eval_after": trainer.evaluate()["eval_loss"],
+            "final": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _trainer(plugin_kwargs: dict, reference: dict, output_dir: str, trainer_class=None, **arg_overrides):
+    from booster_plugin import HybridParallelPlugin, HybridParallelTrainer
+
+    model = reference["model_class"](reference["config"])
+    model.load_state_dict(reference["initial"])
+    return (trainer_class or HybridParallelTrainer)(model=model, args=_args(output_dir, BATCH, **arg_overrides),
+                                 train_dataset=_dataset(ROWS, 1), eval_dataset=_dataset(EVAL_ROWS, 2),
+                                 plugin=HybridParallelPlugin(**plugin_kwargs))
+
+
+def _check_trained(trainer, reference: dict, what: str) -> None:
+    """Logged loss, grad norm, learning rate of every step, and the final parameters (saved, from_pretrained)."""
+    logs, expected = _logs(trainer), reference["logs"]
+    assert len(logs["loss"]) == STEPS, logs
+    for key in ("loss", "grad_norm", "learning_rate"):
+        mu.assert_close(torch.tensor(logs[key]), torch.tensor(expected[key]), f"{what}: logged {key}")
+    assert max(expected["grad_norm"]) > 0.5, "the test should clip"
+    saved = os.path.join(trainer.args.output_dir, "final")
+    trainer.save_model(saved)
+    loaded = type(trainer.model).from_pretrained(saved)
+    for name, value in loaded.state_dict().items():
+        mu.assert_close(value, reference["final"][name], f"{what}: {name} after {STEPS} steps (from_pretrained)")
+
+
+def _check_layout(plugin_kwargs: dict, reference: dict, output_dir: str, trainer_class=None, **arg_overrides):
+    trainer = _trainer(plugin_kwargs, reference, output_dir, trainer_class, **arg_overrides)
+    what = f"{plugin_kwargs}"
+    mu.assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), torch.tensor(reference["eval_before"]),
+                    f"{what}: eval loss before training")
+    if "zero_stage" in plugin_kwargs:  # full logits for compute_metrics (dp=2: gathered over replicas only)
+        trainer.compute_metrics = _metrics
+        metrics = trainer.evaluate()
+        for key in METRICS:
+            mu.assert_close(torch.tensor(metrics[key]), torch.tensor(reference["metrics"][key]), f"{what}: {key}")
+        trainer.compute_metrics = None
+    trainer.train()
+    mu.assert_close(torch.tensor(trainer.evaluate()["eval_loss"]), torch.tensor(reference["eval_after"]),
+                    f"{what}: eval loss after training")
+    _check_trained(trainer, reference, what)
+
+
+def _check_refusals(reference: dict, directory: str) -> None:
+    """Trainer options acting on the unsharded model behind the plugin: refused on every rank, naming the fix."""
+    from shardformer.loss_weights import causal_lm_label_tokens
+
+    with pytest.raises(ValueError, match="drop loss_weight_fn"):
+        _trainer(dict(pp_size=2, loss_weight_fn=causal_lm_label_tokens), reference, directory)
+    for overrides, fix in ((dict(activation_checkpointing=True), "gradient_checkpoint_config"),
+                           (dict(use_cpu=False), "use_cpu=True"),
+                           (dict(max_grad_norm=2.0), "set one of them")):
+        plugin = dict(pp_size=2, max_norm=1.0) if "max_grad_norm" in overrides else dict(pp_size=2)
+        with pytest.raises(ValueError, match=fix):
+            _trainer(plugin, reference, directory, **overrides)
+
+
+def _layouts(references: dict, directory: str) -> None:
+    _check_refusals(references[1], os.path.join(directory, "refused"))
+    _check_layout(dict(tp_size=2, pp_size=2), references[1], os.path.join(directory, "tp2pp2"))
+    # checkpoints every 2 steps, the last 2 kept
+    saving = os.path.join(directory, "pp2dp2")
+    _check_layout(dict(pp_size=2, zero_stage=1), references[2], saving, save_strategy="steps", save_steps=2,
+                  save_total_limit=2)
+    assert sorted(os.listdir(saving)) == ["checkpoint-4", "checkpoint-6", "final"], os.listdir(saving)
+    _check_layout(dict(tp_size=2, zero_stage=1), references[2], os.path.join(directory, "tp2dp2"))  # pp=1
+    # sequence parallelism: ring attention over sp=2 x dp=2, Ulysses over sp=2 x pp=2 (sp ranks share a batch)
+    _check_layout(dict(sp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="ring_attn"),
+                  references[2], os.path.join(directory, "ring2dp2"))
+    _check_layout(dict(sp_size=2, pp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all"),
+                  references[1], os.path.join(directory, "ulysses2pp2"))
+    # expert parallelism: Qwen3-MoE's experts over ep=2 (dp=2) x pp=2, ZeRO-1
+    _check_layout(dict(pp_size=2, ep_size=2, zero_stage=1), references["moe"], os.path.join(directory, "pp2ep2"))
+    # the mixin on a Trainer subclass with its own compute_loss (pp=1; under pp such an override is refused)
+    from booster_plugin import HybridParallelTrainerMixin
+
+    class Composed(HybridParallelTrainerMixin, HalfLossTrainer):
+        pass
+
+    _check_layout(dict(tp_size=2, zero_stage=1), references["half"], os.path.join(directory, "composed"), Composed)
+    with pytest.raises(ValueError, match="compute_loss override"):
+        _trainer(dict(pp_size=2), references["half"], os.path.join(directory, "refused"), Composed)
+    # resumed after step 4 into another layout (pp=2 -> tp=2, ZeRO-1 over dp=2 in both): steps 5, 6 as uninterrupted
+    resumed = _trainer(dict(tp_size=2, zero_stage=1), references[2], os.path.join(directory, "resumed"))
+    resumed.train(resume_from_checkpoint=os.path.join(saving, "checkpoint-4"))
+    _check_trained(resumed, references[2], "resumed at step 4 from pp=2 into tp=2")
+
+
+def test_trainer_equals_one_process(tmp_path):
+    references = {replicas: _reference(str(tmp_path / f"ref{replicas}"), replicas) for replicas in (1, 2)}
+    references["half"] = _reference(str(tmp_path / "ref_half"), 2, HalfLossTrainer)
+    torch.manual_seed(0)  # a Qwen3-MoE without the router loss (which no batch split keeps: see the README)
+    moe = transformers.Qwen3MoeForCausalLM(tiny_config(transformers.Qwen3MoeConfig, num_hidden_layers=4, num_experts=4,
+                                                       num_experts_per_tok=2, vocab_size=mu.VOCAB))
+    references["moe"] = _reference(str(tmp_path / "ref_moe"), 2, model=moe)
+    run_distributed(4, _layouts, references, str(tmp_path))
+
+
+def test_import_is_lazy():
+    import subprocess
+    code = ("import sys, booster_plugin; assert 'transformers.trainer' not in sys.modules, 'eager'; "
+            "assert 'accelerate' not in sys.modules, 'eager'; "
+            "from booster_plugin import HybridParallelTrainer; assert 'transformers.trainer' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

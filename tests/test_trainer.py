@@ -123,7 +123,7 @@ def _check_layout(plugin_kwargs: dict, reference: dict, output_dir: str, trainer
 
 def _check_refusals(reference: dict, directory: str) -> None:
     """Trainer options acting on the unsharded model behind the plugin: refused on every rank, naming the fix."""
-    from shardformer.loss_weights import causal_lm_label_tokens
+    from shardformer.stage.loss_weights import causal_lm_label_tokens
 
     with pytest.raises(ValueError, match="drop loss_weight_fn"):
         _trainer(dict(pp_size=2, loss_weight_fn=causal_lm_label_tokens), reference, directory)

@@ -14,7 +14,7 @@ VENV="${HYBRID_PARALLEL_LOWEST_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/hybrid-para
 lowest() {
     "$BASE_PYTHON" - "$1" <<'PY'
 import re, sys
-text = open("setup.py").read()
+text = re.search(r"install_requires=\[([^\]]*)\]", open("setup.py").read()).group(1)  # not the extras
 found = re.findall(r'"%s\s*>=\s*([0-9][0-9.]*)' % re.escape(sys.argv[1]), text)
 if len(found) != 1:
     sys.exit(f"setup.py: expected one lower bound for {sys.argv[1]}, found {found}")

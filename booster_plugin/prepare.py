@@ -79,7 +79,8 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
                      BatchLimits(vocab_of(model), label_vocab_of(model), sequence_multiple=multiple, sequence_split=split,
                                  ragged=image_rows(model.config) if hasattr(model, "config") else None), lora)
     sharder, shared_names = _shard(model, policy, opts, ctx, stage_manager)
-    info = replace(info, expert_params=frozenset(sharder.expert_params), sequence_head=sharder.sequence_head)
+    info = replace(info, expert_params=frozenset(sharder.expert_params), sequence_head=sharder.sequence_head,
+                   chunked_loss=sharder.chunked_loss)
     params = dict(model.named_parameters(remove_duplicate=False))
     shared = []
     for names in shared_names:  # every rank creates every group, in the same order
@@ -115,7 +116,8 @@ def shard_config_of(sharding: ShardingConfig, ctx: ParallelContext, stage_manage
         parallel_output=sharding.parallel_output,
         make_vocab_size_divisible_by=sharding.make_vocab_size_divisible_by, rng_tracker=rng_tracker,
         enable_sequence_parallelism=sharding.sp_mode is not None, sequence_parallelism_mode=sharding.sp_mode,
-        expert_parallel_process_group=ctx.ep.active, sequence_parallel_process_group=ctx.sp.active)
+        expert_parallel_process_group=ctx.ep.active, sequence_parallel_process_group=ctx.sp.active,
+        chunked_loss=sharding.chunked_loss, loss_chunk_size=sharding.loss_chunk_size)
 
 
 def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: ParallelContext,

@@ -90,7 +90,8 @@ def _prove(policy, cfg, sm) -> Optional[str]:
             return f"{what}: the unsharded twin itself fails ({_say(error)}); it cannot be proven."
         shard_cfg = replace(cfg, pipeline_stage_manager=_twin_stage_manager(sm), rng_tracker=None,
                             enable_sequence_parallelism=False, sequence_parallelism_mode=None,
-                            expert_parallel_process_group=None, sequence_parallel_process_group=None)
+                            expert_parallel_process_group=None, sequence_parallel_process_group=None,
+                            chunked_loss=False)  # the plan's logits are compared
         sharder = Sharder(twin, twin_policy, shard_cfg)
         try:
             shared = sharder.shard()

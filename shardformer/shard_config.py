@@ -18,7 +18,8 @@ class ShardConfig:
     """How to shard: the tp group (None = no TP), the pipeline stage manager (None = no PP) and TP options;
     `enable_sequence_parallelism` splits the sequence over the tp group (`sequence_parallelism_mode`
     "split_gather", the default, or "all_to_all"; see sequence_parallel.py); the ep group splits mixture-of-experts
-    experts over ranks (expert_sharding.py)."""
+    experts over ranks (expert_sharding.py); `chunked_loss` computes a causal-LM loss in training chunk by chunk
+    without the full logits (chunked_loss.py), `loss_chunk_size` tokens at a time (None: chosen from the shapes)."""
     tensor_parallel_process_group: Optional[dist.ProcessGroup] = None
     pipeline_stage_manager: Optional[PipelineStageManager] = None
     parallel_output: bool = True
@@ -29,6 +30,8 @@ class ShardConfig:
     expert_parallel_process_group: Optional[dist.ProcessGroup] = None  # None: experts not split over ranks
     # sequence parallelism over a group of its own ("all_to_all", "ring_attn" with sp_size > 1); None: over tp
     sequence_parallel_process_group: Optional[dist.ProcessGroup] = None
+    chunked_loss: bool = True
+    loss_chunk_size: Optional[int] = None
 
     @property
     def sp_group(self) -> Optional[dist.ProcessGroup]:

@@ -20,6 +20,7 @@ from .regions import enter_tp_regions_once
 from .release import release_unheld
 from .sequence_parallel import (SEQUENCE_DIM, apply_sequence_parallelism, check_sequence_parallelism, inside_layers,
                                 sequence_span)
+from .chunked_loss import ChunkedLoss, use_chunked_loss
 from .sequence_loss import HeadOnShard
 from .shard_config import ShardConfig
 from .stage import StageForward, get_submodule_parent
@@ -38,6 +39,7 @@ class Sharder:
         self.stage_forward: Optional[StageForward] = None
         self.expert_params: List[str] = []  # parameters holding this rank's experts only (expert parallel)
         self.sequence_head: Optional[HeadOnShard] = None  # the sequence kept split through the head (sequence_loss)
+        self.chunked_loss: Optional[ChunkedLoss] = None  # the causal-LM loss computed in chunks (chunked_loss.py)
         policy.set_model(model)
         policy.set_shard_config(shard_config)
         policy.set_pipeline_stage_manager(shard_config.pipeline_stage_manager)
@@ -78,6 +80,8 @@ class Sharder:
         if self.shard_config.ep_size > 1:  # after the tp split: its hooks run inside the exchange
             self.expert_params = shard_experts(self.model, self._plan_style,
                                                self.shard_config.expert_parallel_process_group)
+        if self.shard_config.chunked_loss:  # last: its hooks run after those of tp and sequence parallelism
+            self.chunked_loss = use_chunked_loss(self.model, self.shard_config.loss_chunk_size, self.sequence_head)
         return shared
 
     def materialize(self, device, init: bool = True) -> int:

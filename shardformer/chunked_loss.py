@@ -79,7 +79,7 @@ class ChunkedLoss:
         model.register_forward_pre_hook(self._begin, with_kwargs=True)
         model.register_forward_hook(self._end, always_call=True)
         head.register_forward_pre_hook(self._enter)
-        head.register_forward_hook(self._leave)
+        head.register_forward_hook(self._leave, prepend=True)  # hooks of the user's then act on the probe
         model.loss_function = _ChunkedLossFunction(model.loss_function, self)
 
     @contextlib.contextmanager
@@ -144,7 +144,9 @@ class ChunkedLoss:
             raise ValueError(f"The LM head ran on {tuple(call.hidden.shape[:-1])} positions but the labels give "
                              f"{tuple(targets.shape)}: with labels, call the model without logits_to_keep (every "
                              f"position has a loss), or pass chunked_loss=False to the plugin.")
-        hidden = copy_to_tp(call.hidden, self.vocab.group)  # its gradient: the sum of every vocab shard's part
+        hidden = call.hidden
+        if self.vocab.group is not None:  # its gradient: the sum of every vocab shard's part
+            hidden = copy_to_tp(hidden, self.vocab.group)
         total = linear_cross_entropy_sum(hidden.reshape(-1, hidden.size(-1)), call.weight, call.bias,
                                          targets.reshape(-1), self.vocab, transform, self.chunk, ignore_index)
         loss = total / (count.to(total.device) if torch.is_tensor(count) else count)

@@ -73,7 +73,7 @@ def chunk_tokens(tokens: int, hidden: int, columns: int, given: Optional[int]) -
 
 
 def _all_reduce(x: Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM) -> Tensor:
-    if get_tp_world_size(group) > 1:
+    if group is not None and get_tp_world_size(group) > 1:  # (None: the whole vocabulary is here, not the world)
         dist.all_reduce(x, op=op, group=group)
     return x
 

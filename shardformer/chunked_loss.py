@@ -190,8 +190,10 @@ def use_chunked_loss(model: nn.Module, chunk: Optional[int],
     """Compute `model`'s causal-LM loss in chunks in training (see the module docstring) where this stage holds the
     LM head, an nn.Linear or ColumnParallelLinear, and the loss is transformers' causal-LM loss; None otherwise."""
     check_chunk_size(chunk)
+    if not computes_causal_lm_loss(model):  # first: another model's head may be gone from this stage (BERT's cls)
+        return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or isinstance(head, Released) or not computes_causal_lm_loss(model):
+    if head is None or isinstance(head, Released):
         return None
     vocab = _vocab_of(head)
     return None if vocab is None else ChunkedLoss(model, head, vocab, chunk, sequence_head)

@@ -86,8 +86,7 @@ def peak_bytes(step: Step, hidden, weight, labels) -> int:
 
 
 def seconds(step: Step, hidden, weight, labels, repeats: int) -> float:
-    _run(step, hidden, weight, labels)  # warm-up
-    times = []
+    times = []  # (the caller's first step warmed up)
     for _ in range(repeats):
         _sync(hidden.device)
         start = time.perf_counter()

@@ -21,7 +21,6 @@ under `ChunkedLoss.full_logits()`) get the full logits and the loss the model ha
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any, Dict, Iterator, NamedTuple, Optional
 
 import torch
@@ -31,8 +30,8 @@ from .apply_styles import computes_causal_lm_loss
 from .layer.comm import copy_to_tp, reduce_from_tp
 from .layer.linear import ColumnParallelLinear
 from .layer.linear_cross_entropy import LogitTransform, VocabShard, linear_cross_entropy_sum
-from .layer.loss import _check_targets, _shifted
-from .sequence_loss import HeadOnShard
+from .layer.loss import check_targets, shifted_targets
+from .sequence_loss import HeadOnShard, labels_argument
 from .stage import Released
 
 __all__ = ["ChunkedLoss", "check_chunk_size", "use_chunked_loss"]
@@ -46,14 +45,6 @@ class _HeadCall(NamedTuple):
     weight: Tensor
     bias: Optional[Tensor]
     probe: Tensor
-
-
-def _labels(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
-    if "labels" in kwargs or not args:
-        return kwargs.get("labels")
-    names = list(inspect.signature(model.forward).parameters)
-    index = names.index("labels") if "labels" in names else len(args)
-    return args[index] if index < len(args) else None
 
 
 def _without_logits(output: Any) -> Any:
@@ -92,7 +83,7 @@ class ChunkedLoss:
             self.enabled = enabled
 
     def _begin(self, model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
-        self.active = self.enabled and model.training and _labels(model, args, kwargs) is not None
+        self.active = self.enabled and model.training and labels_argument(model, args, kwargs) is not None
         self.call = None
 
     def _end(self, model: nn.Module, args: tuple, output: Any) -> Any:
@@ -134,8 +125,8 @@ class ChunkedLoss:
         """The causal-LM loss of the recorded head call (one process's, also with the tokens split over sp)."""
         call = self.call
         transform = self.transform(received, call.probe)
-        targets = _shifted(labels, ignore_index, shift_labels).to(call.hidden.device)
-        _check_targets(targets, ignore_index, vocab_size)  # every rank alike, before the loss's collectives
+        targets = shifted_targets(labels, ignore_index, shift_labels).to(call.hidden.device)
+        check_targets(targets, ignore_index, vocab_size)  # every rank alike, before the loss's collectives
         count = (targets != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
         split = self.sequence_head if self.sequence_head is not None and self.sequence_head.active else None
         if split is not None:

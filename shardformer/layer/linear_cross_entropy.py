@@ -127,19 +127,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_w.addmm_(part.grad.t(), h)
             if grad_b is not None:
                 grad_b += part.grad.sum(0)
-        ctx.grads = (grad_h, grad_w, grad_b)
-        ctx.any_valid = bool((targets != ignore_index).any())
+        # saved (not attributes): saved-tensor hooks (offloading, memory accounting) see them
+        ctx.save_for_backward(grad_h, grad_w, grad_b, (targets != ignore_index).any())
+        ctx.used = False
         return total
 
     @staticmethod
     def backward(ctx, grad_total: Tensor):
-        if ctx.grads is None:
+        if ctx.used:
             raise RuntimeError("The chunked linear cross-entropy computes its gradients in forward and hands them out "
                                "once; compute the loss again instead of backpropagating it twice (retain_graph).")
-        grads, ctx.grads = ctx.grads, None
-        # every target ignored: the gradients are exactly 0 (as torch's, whose mean over no target has an infinite
-        # incoming gradient that must not turn them into nan)
-        out = [g if g is None or not ctx.any_valid else g.mul_(grad_total) for g in grads]
+        ctx.used = True  # the gradients are scaled in place: they serve one backward
+        *grads, any_valid = ctx.saved_tensors
+        # every target ignored: the gradients are exactly 0, as torch's (a mean over no target has an infinite
+        # incoming gradient, which must not turn them into nan); a tensor condition, no device synchronisation
+        scale = torch.where(any_valid, grad_total, torch.zeros_like(grad_total))
+        out = [g if g is None else g.mul_(scale) for g in grads]
         return (*out, None, None, None, None, None, None)
 
 

@@ -170,6 +170,15 @@ def _vocab_of(head: nn.Module) -> Optional[VocabShard]:
     return None
 
 
+def _held_head(model: nn.Module) -> Optional[nn.Module]:
+    """The model's LM head; None where it has none, or a module on its path is released on this stage (BERT's
+    `cls.predictions.decoder` with `cls` released)."""
+    try:
+        return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    except AttributeError:
+        return None
+
+
 def check_chunk_size(chunk: Optional[int]) -> None:
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"loss_chunk_size={chunk!r}: give a positive number of tokens per chunk, or None to let "
@@ -181,9 +190,9 @@ def use_chunked_loss(model: nn.Module, chunk: Optional[int],
     """Compute `model`'s causal-LM loss in chunks in training (see the module docstring) where this stage holds the
     LM head, an nn.Linear or ColumnParallelLinear, and the loss is transformers' causal-LM loss; None otherwise."""
     check_chunk_size(chunk)
-    if not computes_causal_lm_loss(model):  # first: another model's head may be gone from this stage (BERT's cls)
+    if not computes_causal_lm_loss(model):
         return None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _held_head(model)
     if head is None or isinstance(head, Released):
         return None
     vocab = _vocab_of(head)

@@ -6,7 +6,7 @@ shardformer/chunked_loss.py calls it: labels shifted, the sum over chunks divide
 Per variant, forward + backward of the loss with respect to the hidden states and the head's weight:
 - peak memory allocated during the step, above what existed before it (the weight, the hidden states, the labels):
   on CUDA torch.cuda.max_memory_allocated, on CPU the allocator's running total as torch's profiler reports it
-  (`[memory]` events); also the peak less the weight's gradient, which both variants end with (the part the loss's
+  (`[memory]` events, from the total before the step's first allocation); also the peak less the weight's gradient, which both variants end with (the part the loss's
   activations and temporaries take);
 - time: the median of `--repeats` steps (after one untimed step), without the profiler;
 - agreement: loss and gradients of the two variants (max abs difference).
@@ -81,8 +81,12 @@ def peak_bytes(step: Step, hidden, weight, labels) -> int:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
-    return max(totals, default=0)
+    memory = [e["args"] for e in events if e.get("name") == "[memory]"]
+    if not memory:
+        return 0
+    # the profiler's running total goes on from an earlier session (what that one left allocated): start from it
+    start = memory[0]["Total Allocated"] - memory[0]["Bytes"]
+    return max(m["Total Allocated"] for m in memory) - start
 
 
 def seconds(step: Step, hidden, weight, labels, repeats: int) -> float:

@@ -13,7 +13,7 @@ Per variant, forward + backward of the loss with respect to the hidden states an
 The full variant keeps its logits alive through the backward, as a model's output holding them does.
 
 Run:  python benchmarks/bench_loss.py [--vocab 128256 --hidden 2048 --seq 2048 --rows 1 --dtype fp32 --repeats 3]
-Writes benchmarks/results/loss.json.
+Writes benchmarks/results/loss.json (loss_rows{N}.json with --rows N > 1).
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def main() -> None:
           f"{results['ratio_peak_less_weight_grad']:.3f}, time {results['ratio_time']:.2f}; "
           f"max abs diff {results['max_abs_diff']}")
     results["loadavg_at_end"] = C.loadavg()
-    print("wrote " + C.write_results("loss", results))
+    print("wrote " + C.write_results("loss" if args.rows == 1 else f"loss_rows{args.rows}", results))
 
 
 def _environment(device: torch.device) -> Dict[str, Any]:

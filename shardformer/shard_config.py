@@ -24,10 +24,11 @@ class SequenceSplit(NamedTuple):
 @dataclass(frozen=True)
 class ShardConfig:
     """How to shard: the tp group (None = no TP), the pipeline stage manager (None = no PP), TP options, the
-    sequence split (None = no sequence parallelism; see sequence/parallel.py) and the ep group that splits
-    mixture-of-experts experts over ranks (expert/sharding.py). ColossalAI's names for the sequence split
-    (`enable_sequence_parallelism`, `sequence_parallelism_mode`, `sequence_parallel_process_group`) are read-only
-    views of `sequence`."""
+    sequence split (None = no sequence parallelism; see sequence/parallel.py), the ep group that splits
+    mixture-of-experts experts over ranks (expert/sharding.py), and `chunked_loss`: a causal-LM loss in training
+    computed chunk by chunk without the full logits (chunked_loss.py), `loss_chunk_size` tokens at a time (None:
+    chosen from the shapes). ColossalAI's names for the sequence split (`enable_sequence_parallelism`,
+    `sequence_parallelism_mode`, `sequence_parallel_process_group`) are read-only views of `sequence`."""
     tensor_parallel_process_group: Optional[dist.ProcessGroup] = None
     pipeline_stage_manager: Optional[PipelineStageManager] = None
     parallel_output: bool = True
@@ -35,6 +36,8 @@ class ShardConfig:
     rng_tracker: Optional[TPRNGTracker] = None
     expert_parallel_process_group: Optional[dist.ProcessGroup] = None  # None: experts not split over ranks
     sequence: Optional[SequenceSplit] = None
+    chunked_loss: bool = True
+    loss_chunk_size: Optional[int] = None
 
     @property
     def enable_sequence_parallelism(self) -> bool:

@@ -16,6 +16,7 @@ from .layer.spec import get_tp_spec
 from .materialize import materialize
 from .paths import match
 from .policies.base import Policy
+from .chunked_loss import ChunkedLoss, use_chunked_loss
 from .sequence.loss import HeadOnShard
 from .sequence.parallel import (SEQUENCE_DIM, SequenceSpan, apply_sequence_parallelism, check_sequence_parallelism,
                                 inside_layers, sequence_span)
@@ -37,6 +38,7 @@ class ShardResult:
     stage_forward: Optional[StageForward] = None                # runs this rank's chunks (None without pp)
     expert_params: List[str] = field(default_factory=list)      # parameters holding this rank's experts only
     sequence_head: Optional[HeadOnShard] = None                 # the sequence kept split through the head
+    chunked_loss: Optional[ChunkedLoss] = None                  # the causal-LM loss in chunks (chunked_loss.py)
     span: Optional[SequenceSpan] = None                         # (read before the stage releases its modules)
     tied: List[List[str]] = field(default_factory=list)         # names of parameters that were one before tp
 
@@ -121,7 +123,12 @@ class Sharder:
                 self.model, self.policy, result.span, seq.mode, seq.group, own_group=seq.own_group,
                 parallel_output=self.shard_config.parallel_output)
 
-    STEPS = (_check, _release_this_stage, _tensor_parallel, _expert_parallel, _sequence_parallel)
+    def _chunked_loss(self, result: ShardResult) -> None:
+        """Last: its hooks run after those of tensor and sequence parallelism."""
+        if self.shard_config.chunked_loss:
+            result.chunked_loss = use_chunked_loss(self.model, self.shard_config.loss_chunk_size, result.sequence_head)
+
+    STEPS = (_check, _release_this_stage, _tensor_parallel, _expert_parallel, _sequence_parallel, _chunked_loss)
 
     def materialize(self, device, init: bool = True) -> int:
         """Allocate the meta parameters and buffers this rank still holds (after sharding) on `device`, initialized

@@ -85,7 +85,9 @@ def test_sequence_parallel_errors():
 def _head_on_tokens():
     """all_to_all / ring_attn in training with labels: the LM head computes logits for this rank's tokens only (the
     loss is still one process's, with num_items_in_batch too); without labels or in eval mode it sees the whole
-    sequence; pipeline outputs are the whole logits. Full exactness (gradients, AdamW) is check_training's above."""
+    sequence; pipeline outputs are the whole logits. Full exactness (gradients, AdamW) is check_training's above.
+    (chunked_loss=False: the head computes these logits; the chunked loss on this rank's tokens is
+    tests/test_chunked_loss.py's.)"""
     import copy
 
     import torch
@@ -96,7 +98,8 @@ def _head_on_tokens():
         expected = reference(**batch)
         expected_items = reference(**batch, num_items_in_batch=items).loss
     for mode in ("all_to_all", "ring_attn"):
-        plugin = HybridParallelPlugin(sp_size=2, sequence_parallelism_mode=mode, num_microbatches=2, **SP)
+        plugin = HybridParallelPlugin(sp_size=2, sequence_parallelism_mode=mode, num_microbatches=2,
+                                      chunked_loss=False, **SP)
         booster = Booster(plugin=plugin)
         model, *_ = booster.boost(copy.deepcopy(reference))
         lengths = []

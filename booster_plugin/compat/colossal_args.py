@@ -25,7 +25,8 @@ class Unacted(NamedTuple):
 
 
 UNACTED_ARGS: Dict[str, Unacted] = {
-    # kernels and overlap flags: speed only, on GPUs
+    # kernels and overlap flags: speed only, on GPUs (enable_all_optimization also turns our chunked loss on, which
+    # acts: config.ShardingConfig; the warning names what does not)
     "enable_all_optimization": Unacted(False, False, "enable fused normalization, flash attention and JIT fusion"),
     "enable_fused_normalization": Unacted(False, False, "use apex/CUDA fused LayerNorm/RMSNorm kernels"),
     "enable_flash_attention": Unacted(False, False, "use flash-attention kernels (the model's own attention "

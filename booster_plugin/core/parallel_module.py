@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from ..guards.failure import FailureGuard
 from .grad_bucket import BUCKET_BYTES, GradBucket, ReduceAxis, broadcast_params, make_buckets
 
 if TYPE_CHECKING:
+    from shardformer.chunked_loss import ChunkedLoss
     from shardformer.policies import Policy
     from shardformer.sequence.loss import HeadOnShard
 
@@ -42,6 +43,7 @@ class ModelInfo:
     lora: Optional["LoRAState"] = None
     expert_params: FrozenSet[str] = frozenset()  # parameters holding this ep rank's experts only (split over ep)
     sequence_head: Optional["HeadOnShard"] = None  # sequence parallelism kept split through the LM head and loss
+    chunked_loss: Optional["ChunkedLoss"] = None  # the causal-LM loss computed in chunks, without the full logits
 
 
 class HybridParallelModule(nn.Module):
@@ -229,6 +231,12 @@ class HybridParallelModule(nn.Module):
         if outputs.get("loss") is not None:
             outputs["loss"] = loss if loss is not None else outputs["loss"].mean()
         return outputs
+
+    def full_logits(self, asked: bool) -> ContextManager[None]:
+        """Where `asked` (a caller that asks for the outputs), forwards inside compute the full logits even where the
+        causal-LM loss is otherwise computed in chunks without them (shardformer/chunked_loss.py)."""
+        chunked = self.info.chunked_loss
+        return chunked.full_logits() if asked and chunked is not None else contextlib.nullcontext()
 
     def forward(self, *args, **kwargs) -> Any:
         if self._buckets and self.pp_group is None and torch.is_grad_enabled():

@@ -4,7 +4,8 @@ one place) into a few small frozen parts, before any collective, so that bad inp
     PluginConfig
       mesh      MeshConfig       tp, pp and ep sizes (dp is what the world leaves), the mesh order, the timeout
       pipeline  PipelineConfig   schedule style, microbatching, layer split, P2P, trace, token weights
-      sharding  ShardingConfig   policy, vocab-parallel output, sequence parallelism, dropout seed, checkpointing
+      sharding  ShardingConfig   policy, vocab-parallel output, sequence parallelism, dropout seed, checkpointing,
+                                 chunked loss
       precision PrecisionConfig  dtype, ZeRO, clipping, fp16 loss scaler, non-finite gradients, DP buckets
       check_batches              the per-step batch agreement (booster_plugin/guards/batch_check.py)
 """
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from pipeline.actions import Schedule
 from pipeline.styles import ScheduleStyle, style_named
+from shardformer.chunked_loss import check_chunk_size
 from shardformer.policies.from_parallelformers import as_policy
 from shardformer.policies import Policy
 from shardformer.sequence.parallel import SEQUENCE_PARALLEL_MODES, resolve_mode
@@ -135,21 +137,28 @@ class ShardingConfig:
     sp_size: int                      # > 1: over a group of its own ("all_to_all", "ring_attn"); 1: over tp
     seed: int                         # dropout RNG seed under tp
     gradient_checkpoint_config: Optional[GradientCheckpointConfig]
+    chunked_loss: bool                # the causal-LM loss in chunks, without the full logits, in training
+    loss_chunk_size: Optional[int]    # tokens per chunk (None: chosen from the shapes)
     compile_layers: bool              # each held decoder layer compiled (core/regional_compile.py)
 
     @classmethod
     def build(cls, tp_size: int, pp_size: int, custom_policy: Any, parallel_output: bool,
               make_vocab_size_divisible_by: int, enable_sequence_parallelism: bool,
               sequence_parallelism_mode: Optional[str], sp_size: Optional[int], seed: int,
-              gradient_checkpoint_config: Optional[GradientCheckpointConfig],
+              gradient_checkpoint_config: Optional[GradientCheckpointConfig], chunked_loss: Optional[bool] = None,
+              loss_chunk_size: Optional[int] = None, enable_all_optimization: bool = False,
               compile_layers: bool = False) -> "ShardingConfig":
         if gradient_checkpoint_config is not None:
             gradient_checkpoint_config.check(pp_size)
         sp = resolve_mode(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size, _rank())
         check_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by, 1)
+        check_chunk_size(loss_chunk_size)
+        if enable_all_optimization and chunked_loss is False:
+            raise ValueError("enable_all_optimization=True turns the chunked loss on, chunked_loss=False turns it off: "
+                             "drop one of them.")
         policy = as_policy(custom_policy)  # ours as is, Parallelformers-style translated, else TypeError
         return cls(policy, parallel_output, make_vocab_size_divisible_by, sp.mode, sp.size, seed,
-                   gradient_checkpoint_config, bool(compile_layers))
+                   gradient_checkpoint_config, chunked_loss is not False, loss_chunk_size, bool(compile_layers))
 
 
 @dataclass(frozen=True)
@@ -206,7 +215,8 @@ class PluginConfig:
         sharding = ShardingConfig.build(
             tp_size, pp_size, a["custom_policy"], a["parallel_output"], a["make_vocab_size_divisible_by"],
             a["enable_sequence_parallelism"], a["sequence_parallelism_mode"], a["sp_size"], a["seed"],
-            a["gradient_checkpoint_config"], a["compile_layers"])
+            a["gradient_checkpoint_config"], a["chunked_loss"], a["loss_chunk_size"],
+            bool(colossalai_kwargs.get("enable_all_optimization", False)), a["compile_layers"])
         return cls(mesh, pipeline, sharding, precision, bool(a["check_batches"]))
 
     def agreement(self) -> Dict[str, int]:

@@ -64,6 +64,11 @@ class HybridParallelPlugin(HybridPluginBase):
         num_layers_per_stage: the layer split, e.g. [3, 5]; default: even, remainder to the middle stages.
         parallel_output: keep the LM head's logits vocab-sharded in training (vocab-parallel loss).
         make_vocab_size_divisible_by: vocabulary padding multiple per tp rank.
+        chunked_loss, loss_chunk_size: where the model's loss is transformers' causal-LM loss, a training forward
+            with labels computes it `loss_chunk_size` tokens at a time (None: chosen from the shapes) and never
+            holds the full logits: the model then returns `logits=None` (`execute_pipeline(...,
+            return_outputs=True)`, eval mode and calls without labels compute them). Unset or True: on (also
+            ColossalAI's `enable_all_optimization=True`); False: off. shardformer/chunked_loss.py.
         enable_sequence_parallelism, sequence_parallelism_mode: split the sequence over the tp group between the
             first and last decoder layer (needs tp_size > 1 and sequence lengths divisible by it; training mode only):
             "split_gather" (default; Megatron-LM: weights tensor-split, all-gather into and reduce-scatter out of the
@@ -114,7 +119,8 @@ class HybridParallelPlugin(HybridPluginBase):
                  initial_scale: float = 2 ** 16, growth_factor: float = 2, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 2, min_scale: float = 1, max_scale: float = 2 ** 32,
                  gradient_checkpoint_config: Optional[GradientCheckpointConfig] = None, compile_layers: bool = False,
-                 ep_size: int = 1, dp_outside: bool = True, tp: Optional[int] = None, pp: Optional[int] = None,
+                 ep_size: int = 1, dp_outside: bool = True, chunked_loss: Optional[bool] = None,
+                 loss_chunk_size: Optional[int] = None, tp: Optional[int] = None, pp: Optional[int] = None,
                  **colossalai_kwargs: Any) -> None:
         # every check before the first collective, so that bad input fails the same way on every rank
         args = {k: v for k, v in locals().items() if k not in ("self", "colossalai_kwargs")}
@@ -295,7 +301,7 @@ class HybridParallelPlugin(HybridPluginBase):
             model.reopen_grads()
         # a failure ends the step on every rank; evaluation runs forwards only, as under torch.no_grad()
         with self.failure_guard.step("execute_pipeline"), batch_agreed(), running_step(self._stage_manager), \
-                torch.set_grad_enabled(trains):
+                torch.set_grad_enabled(trains), model.full_logits(return_outputs):
             if microbatches is None:
                 microbatches = self.microbatching.split(batch, model.batch_limits.ragged)
             weights = self._loss_weights(microbatches) if self._loss_weights is not None else None

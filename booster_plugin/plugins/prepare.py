@@ -84,7 +84,8 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
                      BatchLimits(vocab_of(model), label_vocab_of(model), sequence_multiple=multiple, sequence_split=split,
                                  ragged=image_rows(model.config) if hasattr(model, "config") else None), lora)
     sharded = _shard(model, policy, opts, ctx, stage_manager)
-    info = replace(info, expert_params=frozenset(sharded.expert_params), sequence_head=sharded.sequence_head)
+    info = replace(info, expert_params=frozenset(sharded.expert_params), sequence_head=sharded.sequence_head,
+                   chunked_loss=sharded.chunked_loss)
     params = dict(model.named_parameters(remove_duplicate=False))
     shared = []
     for names in sharded.shared:  # every rank creates every group, in the same order
@@ -124,7 +125,8 @@ def shard_config_of(sharding: ShardingConfig, ctx: ParallelContext, stage_manage
         make_vocab_size_divisible_by=sharding.make_vocab_size_divisible_by, rng_tracker=rng_tracker,
         expert_parallel_process_group=ctx.ep.active,
         sequence=None if sharding.sp_mode is None else SequenceSplit(sharding.sp_mode, ctx.seq.group, ctx.seq.size,
-                                                                     own_group=ctx.seq is ctx.sp))
+                                                                     own_group=ctx.seq is ctx.sp),
+        chunked_loss=sharding.chunked_loss, loss_chunk_size=sharding.loss_chunk_size)
 
 
 def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: ParallelContext,

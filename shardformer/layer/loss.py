@@ -12,7 +12,8 @@ from torch.distributed import ProcessGroup
 from .comm import get_tp_world_size, reduce_from_tp
 from ..sequence.ring_layout import shard_zigzag
 
-__all__ = ["vocab_parallel_cross_entropy", "parallel_causal_lm_loss", "TokenShard", "causal_lm_loss_on_tokens"]
+__all__ = ["vocab_parallel_cross_entropy", "parallel_causal_lm_loss", "TokenShard", "causal_lm_loss_on_tokens",
+           "check_targets", "shifted_targets"]
 
 
 def _all_reduce(x: Tensor, group: ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
@@ -21,7 +22,7 @@ def _all_reduce(x: Tensor, group: ProcessGroup | None, op: dist.ReduceOp = dist.
     return x
 
 
-def _check_targets(target: Tensor, ignore_index: int, vocab_size: int) -> None:
+def check_targets(target: Tensor, ignore_index: int, vocab_size: int) -> None:
     """Refuse targets outside [0, vocab_size) as F.cross_entropy does; every tp rank holds the same targets, so each
     raises the same error before the first collective (masking them would train on garbage)."""
     if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
@@ -42,7 +43,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits: Tensor, target: Tensor, group, vocab_start: int, vocab_size: int | None,
                 ignore_index: int) -> Tensor:
         n_local = logits.size(-1)
-        _check_targets(target, ignore_index, vocab_size if vocab_size is not None else n_local * get_tp_world_size(group))
+        check_targets(target, ignore_index, vocab_size if vocab_size is not None else n_local * get_tp_world_size(group))
         x = logits.float()
         if vocab_size is not None and vocab_start + n_local > vocab_size:
             padded = torch.arange(vocab_start, vocab_start + n_local, device=x.device) >= vocab_size
@@ -116,7 +117,7 @@ def parallel_causal_lm_loss(
 ) -> Tensor:
     """Vocab-parallel counterpart of transformers' ForCausalLMLoss: next-token loss on vocab-sharded logits."""
     logits = logits.float()
-    shift_labels = _shifted(labels, ignore_index, shift_labels).to(logits.device)
+    shift_labels = shifted_targets(labels, ignore_index, shift_labels).to(logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = vocab_parallel_cross_entropy(logits, shift_labels, tp_group, vocab_start, ignore_index, reduction,
                                         vocab_size=vocab_size)
@@ -127,7 +128,7 @@ def parallel_causal_lm_loss(
     return loss
 
 
-def _shifted(labels: Tensor, ignore_index: int, shift_labels: Tensor | None) -> Tensor:
+def shifted_targets(labels: Tensor, ignore_index: int, shift_labels: Tensor | None) -> Tensor:
     """The label each position predicts (the next token; ignore_index after the last), as ForCausalLMLoss has it."""
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift_labels is None else shift_labels
 
@@ -165,8 +166,8 @@ def causal_lm_loss_on_tokens(
     group is the loss. Labels outside the vocabulary raise on every rank (each checks the full labels) before the
     sum's collective. Its backward is the identity into each rank's part: every rank backpropagates the same loss,
     so each rank's logits get exactly one process's gradient of their tokens."""
-    targets = _shifted(labels, ignore_index, shift_labels).to(logits.device)
-    _check_targets(targets, ignore_index, vocab_size)
+    targets = shifted_targets(labels, ignore_index, shift_labels).to(logits.device)
+    check_targets(targets, ignore_index, vocab_size)
     count = (targets != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(count):
         count = count.to(logits.device)

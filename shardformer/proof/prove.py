@@ -89,7 +89,8 @@ def _prove(policy, cfg, sm) -> Optional[str]:
         except Exception as error:  # noqa: BLE001  (alike on every rank: no collective yet)
             return f"{what}: the unsharded twin itself fails ({_say(error)}); it cannot be proven."
         shard_cfg = replace(cfg, pipeline_stage_manager=_twin_stage_manager(sm), rng_tracker=None,
-                            sequence=None, expert_parallel_process_group=None)
+                            sequence=None, expert_parallel_process_group=None,
+                            chunked_loss=False)  # the plan's logits are compared
         sharder = Sharder(twin, twin_policy, shard_cfg)
         try:
             sharded = sharder.shard()

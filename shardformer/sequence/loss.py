@@ -27,7 +27,7 @@ from ..layer.comm import copy_to_tp
 from ..layer.loss import TokenShard, causal_lm_loss_on_tokens
 from ..stage.forward import Released
 
-__all__ = ["HeadOnShard", "keep_split_through_head"]
+__all__ = ["HeadOnShard", "keep_split_through_head", "labels_argument"]
 
 
 class HeadOnShard:
@@ -40,10 +40,10 @@ class HeadOnShard:
         self.active = False
 
     def record(self, model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
-        self.active = model.training and _labels(model, args, kwargs) is not None
+        self.active = model.training and labels_argument(model, args, kwargs) is not None
 
 
-def _labels(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
+def labels_argument(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
     """The `labels` argument of a call of the model (keyword or positional), None when not given."""
     if "labels" in kwargs or not args:
         return kwargs.get("labels")

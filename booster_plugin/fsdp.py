@@ -25,7 +25,7 @@ from .colossal_args import Unacted
 from .checkpoint.fsdp_io import FSDPCheckpointIO
 from .fsdp_args import (FSDP1_UNACTED, GEMINI_UNACTED, ShardLayout, fsdp1_layout, fsdp1_mp_policy,
                         refuse_fsdp1_options, warn_unacted)
-from .fsdp_model import FSDPModel
+from .fsdp_model import FSDPModel, GeminiModel
 from .fsdp_optimizer import FSDPOptimizerWrapper, GeminiOptimizer
 from .fsdp_shard import (decoder_layers, make_mesh, parameter_names, policy_targets, prepare_replicas,
                          rebind_optimizer, shard_model)
@@ -43,6 +43,8 @@ class FSDPPluginBase(WorldDPPluginBase):
     """What both FSDP2 plugins share: the mesh, `configure` (module docstring), checkpoints, and the data-parallel
     group (the world) that prepare_dataloader splits the data over. Subclasses set the policies and wrap the
     optimizer."""
+
+    model_class = FSDPModel  # what boost returns the sharded model in
 
     def __init__(self, layout: ShardLayout, mp_policy: MixedPrecisionPolicy,
                  root_mp_policy: Optional[MixedPrecisionPolicy] = None, offload_policy: Optional[OffloadPolicy] = None,
@@ -76,7 +78,7 @@ class FSDPPluginBase(WorldDPPluginBase):
         model = prepare_replicas(model, self.device)
         layers = policy_targets(model, self.wrap_policy) if self.wrap_policy is not None else decoder_layers(model)
         shard_model(model, layers, self.mesh, self.layout, self.mp_policy, self.root_mp_policy, self.offload_policy)
-        boosted = FSDPModel(model)
+        boosted = self.model_class(model)
         guard_parameters(model)  # an optimizer that skips boost is refused at its step, as HybridParallelPlugin's
         if optimizer is not None and not isinstance(optimizer, FSDPOptimizerWrapper):
             rebind_optimizer(optimizer, names, model)
@@ -122,6 +124,8 @@ class GeminiPlugin(FSDPPluginBase):
     Accepted, speed or memory only (a non-default value warns on rank 0): fsdp_args.GEMINI_UNACTED (chunk
     configuration and placement, offload fractions, kernels, fp8).
     """
+
+    model_class = GeminiModel  # state_dict(only_rank_0=...) as ColossalAI's GeminiDDP
 
     def __init__(self, chunk_config_dict: Optional[dict] = None, chunk_init_device: Optional[torch.device] = None,
                  placement_policy: str = "static", enable_gradient_accumulation: bool = False, max_prefetch: int = 0,

@@ -211,8 +211,8 @@ class Accelerator:
 
     def Event(self, enable_timing: bool = False, blocking: bool = False,  # noqa: N802 (ColossalAI's name)
               interprocess: bool = False) -> Any:
-        if self._cpu():
-            return torch.Event(device="cpu", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+        if self._cpu():  # CPU work is synchronous: torch.cpu's event is complete when recorded (no timing)
+            return torch.cpu.Event()
         return self._mod.Event(enable_timing, blocking, interprocess)
 
     def current_stream(self, device: Device = None) -> Any:

@@ -29,17 +29,17 @@ from .fsdp_model import FSDPModel, GeminiModel
 from .fsdp_optimizer import FSDPOptimizerWrapper, GeminiOptimizer
 from .fsdp_shard import (decoder_layers, make_mesh, parameter_names, policy_targets, prepare_replicas,
                          rebind_optimizer, shard_model)
-from .launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
+from .launch import DEFAULT_TIMEOUT_S, default_device, ensure_distributed
 from .mixed_precision import DynamicLossScaler, LossScalerConfig
 from .optimizer_guard import guard_parameters
-from .plugin_base import WorldDPPluginBase
+from .plugin_base import DPPluginBase
 
 __all__ = ["FSDPPluginBase", "GeminiPlugin", "TorchFSDPPlugin"]
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class FSDPPluginBase(WorldDPPluginBase):
+class FSDPPluginBase(DPPluginBase):
     """What both FSDP2 plugins share: the mesh, `configure` (module docstring), checkpoints, and the data-parallel
     group (the world) that prepare_dataloader splits the data over. Subclasses set the policies and wrap the
     optimizer."""
@@ -95,11 +95,6 @@ class FSDPPluginBase(WorldDPPluginBase):
         raise NotImplementedError(f"{type(self).__name__} does not support no_sync (as in ColossalAI). Gradient "
                                   f"accumulation needs none: call booster.backward for each micro-batch, then "
                                   f"optimizer.step(); every backward reduces its gradients, and they add up.")
-
-    def arrive(self, call: str) -> None:
-        """A monitored barrier over the world: a collective call made on some ranks only fails within
-        ARRIVAL_TIMEOUT_S on the ranks that arrived."""
-        arrival_barrier(call, ARRIVAL_TIMEOUT_S)
 
 
 class GeminiPlugin(FSDPPluginBase):

@@ -15,14 +15,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from .checkpoint.ddp_io import TorchDDPCheckpointIO, ddp_context
-from .launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
+from .launch import DEFAULT_TIMEOUT_S, default_device, ensure_distributed
 from .optimizer_wrapper import OptimizerWrapper
-from .plugin_base import WorldDPPluginBase
+from .plugin_base import DPPluginBase
 
 __all__ = ["TorchDDPPlugin", "OptimizerWrapper"]
 
 
-class TorchDDPPlugin(WorldDPPluginBase):
+class TorchDDPPlugin(DPPluginBase):
     """ColossalAI's TorchDDPPlugin, every argument by name: the model wrapped in torch's DistributedDataParallel
     over the world (its arguments as given), the optimizer in OptimizerWrapper. Precision is the model's own (as in
     ColossalAI, this plugin does not control it). No pipeline: `execute_pipeline` is refused.
@@ -76,8 +76,3 @@ class TorchDDPPlugin(WorldDPPluginBase):
             raise TypeError(f"no_sync needs the model returned by booster.boost() with TorchDDPPlugin (a torch "
                             f"DistributedDataParallel), got {type(model).__name__}.")
         return model.no_sync()
-
-    def arrive(self, call: str) -> None:
-        """A monitored barrier over the world: a collective call made on some ranks only fails within
-        ARRIVAL_TIMEOUT_S on the ranks that arrived (backends without monitored barriers skip it)."""
-        arrival_barrier(call, ARRIVAL_TIMEOUT_S)

@@ -16,12 +16,17 @@ The port, in a temporary directory:
    (ChatGLM2's remote config) are left out instead of failing every test, and the registry's `get_sub_registry`
    allows an empty answer (a family left out); `tests/__init__.py` is created so that `tests.kit` is ColossalAI's and
    not this repository's `tests` package.
+Before running, every ColossalAI name the three suites and the kit import is looked up in the mirror and counted:
+present, refused (importable, raising with the reason when used) or missing.
+
 Each file then runs alone (`python -m pytest -q -x FILE`, OMP_NUM_THREADS=1, limited to `--timeout` seconds); the
 reason of a failure is the last exception line pytest prints (that of the spawned rank that failed).
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import os
 import re
@@ -31,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, NamedTuple
+from typing import Dict, List, NamedTuple, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 RULE = re.compile(r"\bcolossalai\b")
@@ -105,6 +110,29 @@ def port(source: Path, dest: Path) -> List[str]:
     return files
 
 
+def surface(dest: Path) -> List[Tuple[str, int, str, str]]:
+    """(ColossalAI name, files importing it, "present" | "refused" | "missing", reason) for every name that the
+    suites and the kit import from the mirror (after the port)."""
+    sys.path[:0] = [str(dest), str(ROOT)]
+    files: Dict[Tuple[str, str], set] = {}
+    for suite in (*SUITES, "tests/kit"):
+        for path in (dest / suite).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("booster_plugin.colossalai"):
+                    for alias in node.names:
+                        files.setdefault((node.module, alias.name), set()).add(path)
+    rows = []
+    for (module, name), users in sorted(files.items()):
+        try:
+            doc = getattr(getattr(importlib.import_module(module), name), "__doc__", None) or ""
+            status, reason = ("refused", doc[len("Refused: "):]) if doc.startswith("Refused:") else ("present", "")
+        except (ImportError, AttributeError) as error:
+            status, reason = "missing", f"{type(error).__name__}: {error}"
+        rows.append((f"{module}.{name}".replace("booster_plugin.colossalai", "colossalai", 1), len(users), status,
+                     reason.split("\n")[0]))
+    return rows
+
+
 def _reason(output: str) -> str:
     lines = [m.group(1) for m in map(EXCEPTION_LINE.match, output.splitlines()) if m]
     if lines:
@@ -141,6 +169,11 @@ def main() -> None:
         shutil.rmtree(dest)
     dest.mkdir(parents=True, exist_ok=True)
     files = port(args.colossalai.resolve(), dest)
+    names = surface(dest)
+    for row in names:
+        print("\t".join(map(str, row)))
+    counts = {status: sum(r[2] == status for r in names) for status in ("present", "refused", "missing")}
+    print(f"{len(names)} names imported by the suites and the kit: {counts}", flush=True)
     files = [f for f in files if not args.only or any(key in f for key in args.only)]
     print(f"{len(files)} files build a plugin; ported into {dest}", flush=True)
     outcomes: List[Outcome] = []
@@ -151,7 +184,7 @@ def main() -> None:
     passed = sum(o.status == "passed" for o in outcomes)
     print(f"\n{passed} of {len(outcomes)} files pass")
     if args.json:
-        args.json.write_text(json.dumps([o._asdict() for o in outcomes], indent=1))
+        args.json.write_text(json.dumps({"names": names, "files": [o._asdict() for o in outcomes]}, indent=1))
     if not args.keep:
         shutil.rmtree(dest, ignore_errors=True)
 

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from .checkpoint.ddp_io import TorchDDPCheckpointIO, ddp_context
+from .ddp_model import TorchDDPModel, ddp_module
 from .launch import DEFAULT_TIMEOUT_S, default_device, ensure_distributed
 from .optimizer_wrapper import OptimizerWrapper
 from .plugin_base import DPPluginBase
@@ -24,7 +25,8 @@ __all__ = ["TorchDDPPlugin", "OptimizerWrapper"]
 
 class TorchDDPPlugin(DPPluginBase):
     """ColossalAI's TorchDDPPlugin, every argument by name: the model wrapped in torch's DistributedDataParallel
-    over the world (its arguments as given), the optimizer in OptimizerWrapper. Precision is the model's own (as in
+    over the world (its arguments as given) inside a TorchDDPModel (`model.module` is the DDP, `model.unwrap()` the
+    model, as ColossalAI's), the optimizer in OptimizerWrapper. Precision is the model's own (as in
     ColossalAI, this plugin does not control it). No pipeline: `execute_pipeline` is refused.
 
     Args:
@@ -52,9 +54,11 @@ class TorchDDPPlugin(DPPluginBase):
     def configure(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                   criterion: Optional[Callable] = None, dataloader: Optional[DataLoader] = None, lr_scheduler=None):
         """The model on this rank's device (BatchNorm made SyncBatchNorm, as ColossalAI), in DistributedDataParallel
-        (rank 0's parameters and buffers broadcast to every rank); the optimizer in OptimizerWrapper."""
-        if isinstance(model, DistributedDataParallel):
-            raise ValueError("The model is already boosted (a DistributedDataParallel): boost the original model once.")
+        (rank 0's parameters and buffers broadcast to every rank) in a TorchDDPModel; the optimizer in
+        OptimizerWrapper."""
+        if isinstance(model, (TorchDDPModel, DistributedDataParallel)):
+            raise ValueError(f"The model is already boosted (a {type(model).__name__}): boost the original model "
+                             f"once.")
         if any(isinstance(m, _BatchNorm) for m in model.modules()):
             if self.device.type == "cpu":
                 raise NotImplementedError("TorchDDPPlugin converts BatchNorm to SyncBatchNorm, which needs an "
@@ -62,7 +66,8 @@ class TorchDDPPlugin(DPPluginBase):
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = model.to(self.device)
         device_ids = [self.device] if self.device.type != "cpu" else None
-        model = DistributedDataParallel(model, device_ids=device_ids, process_group=world_group(), **self.ddp_kwargs)
+        model = TorchDDPModel(DistributedDataParallel(model, device_ids=device_ids, process_group=world_group(),
+                                                      **self.ddp_kwargs))
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             optimizer = OptimizerWrapper(optimizer)
         return model, optimizer, criterion, dataloader, lr_scheduler
@@ -72,7 +77,4 @@ class TorchDDPPlugin(DPPluginBase):
 
     def no_sync(self, model: Optional[nn.Module] = None, optimizer: Any = None) -> ContextManager[None]:
         """DistributedDataParallel's no_sync: gradients accumulate locally until the first backward outside."""
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"no_sync needs the model returned by booster.boost() with TorchDDPPlugin (a torch "
-                            f"DistributedDataParallel), got {type(model).__name__}.")
-        return model.no_sync()
+        return ddp_module(model).no_sync()

@@ -262,10 +262,12 @@ def test_interface_tensor_and_refused_names():
     from booster_plugin.colossalai.tensor.padded_tensor.api import is_padded_tensor, to_unpadded_tensor
     from booster_plugin.colossalai.zero import LowLevelZeroOptimizer
     from booster_plugin.compat import LazyInitContext as Ours
+    from booster_plugin.ddp_model import TorchDDPModel
     from booster_plugin.fsdp_model import FSDPModel
     from booster_plugin.zero import ZeroOptimizer
     assert issubclass(HybridParallelOptimizer, OptimizerWrapper) and issubclass(ZeroOptimizer, OptimizerWrapper)
     assert issubclass(HybridParallelModule, ModelWrapper) and issubclass(FSDPModel, ModelWrapper)
+    assert issubclass(TorchDDPModel, ModelWrapper)
     assert LowLevelZeroOptimizer is ZeroOptimizer and LazyInitContext is Ours and is_compatible_with_meta()
     linear = torch.nn.Linear(3, 2)
     wrapped = ModelWrapper(ModelWrapper(linear))

@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from ..ddp_model import ddp_module as ddp_wrapper
 from ..optimizer_wrapper import OptimizerWrapper
 from .atomic import replace_file, resolve_dir, swap_into_place
 from .context import CheckpointContext
@@ -45,11 +45,8 @@ def ddp_context(device: torch.device, timeout_s: float) -> CheckpointContext:
 
 
 def ddp_module(model: nn.Module) -> nn.Module:
-    """The model inside the DistributedDataParallel that TorchDDPPlugin's boost returned."""
-    if isinstance(model, DistributedDataParallel):
-        return model.module
-    raise TypeError(f"Expected the model returned by booster.boost() with TorchDDPPlugin (a torch "
-                    f"DistributedDataParallel), got {type(model).__name__}.")
+    """The original model inside the TorchDDPModel that TorchDDPPlugin's boost returned."""
+    return ddp_wrapper(model).module
 
 
 def _tied_targets(module: nn.Module) -> Dict[str, str]:

@@ -1,10 +1,9 @@
 """`colossalai.interface`: what every boosted model and optimizer is.
 
 `OptimizerWrapper` is this library's (every plugin's boosted optimizer is one). `ModelWrapper` is ColossalAI's
-(`module` wrapped, `unwrap()`, calls forwarded), and the boosted models of HybridParallelPlugin (and its ZeRO and MoE
-variants) and of the FSDP2 plugins (GeminiPlugin, TorchFSDPPlugin) are registered with it. TorchDDPPlugin's boosted
-model is torch's DistributedDataParallel itself (ColossalAI wraps it in a ModelWrapper whose `module` is the DDP):
-it is not one. `AMPModelMixin.update_master_params()` is ColossalAI's hook for models that keep master weights
+(`module` wrapped, `unwrap()`, calls forwarded), and the boosted models of every plugin are registered with it:
+HybridParallelPlugin's (and its ZeRO and MoE variants'), the FSDP2 plugins' (GeminiPlugin, TorchFSDPPlugin) and
+TorchDDPPlugin's (whose `module` is torch's DistributedDataParallel, as in ColossalAI). `AMPModelMixin.update_master_params()` is ColossalAI's hook for models that keep master weights
 (nothing to do by default; here `booster.load_model` refreshes them).
 """
 from abc import ABCMeta
@@ -12,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from booster_plugin.ddp_model import TorchDDPModel
 from booster_plugin.fsdp_model import FSDPModel
 from booster_plugin.optimizer_wrapper import OptimizerWrapper
 from booster_plugin.parallel_module import HybridParallelModule
@@ -36,6 +36,7 @@ class ModelWrapper(nn.Module, metaclass=ABCMeta):
 
 ModelWrapper.register(HybridParallelModule)
 ModelWrapper.register(FSDPModel)
+ModelWrapper.register(TorchDDPModel)
 
 
 class AMPModelMixin:

@@ -141,6 +141,7 @@ def _spawned(rank: int, world_size: int, port: int, directory: str) -> None:
     import torch.distributed as dist
 
     import booster_plugin.colossalai as colossalai
+    from booster_plugin.colossalai.checkpoint_io.utils import gather_distributed_param
     from booster_plugin.colossalai.shardformer.layer import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
     from booster_plugin.colossalai.tensor.d_tensor import is_distributed_tensor
     from booster_plugin.colossalai.testing import assert_close
@@ -152,6 +153,8 @@ def _spawned(rank: int, world_size: int, port: int, directory: str) -> None:
     row = Linear1D_Row.from_native_module(row_native, process_group=None, parallel_input=False)
     emb = VocabParallelEmbedding1D.from_native_module(emb_native, process_group=None)
     assert col.weight.shape == (3, 8) and row.weight.shape == (4, 3) and is_distributed_tensor(col.weight)
+    assert torch.equal(gather_distributed_param(row.weight), row_native.weight.detach())
+    assert torch.equal(gather_distributed_param(emb.weight), emb_native.weight.detach())  # without vocab padding
     ids = torch.randint(0, 10, (2, 5))
     x = emb_native(ids).detach().repeat(1, 1, 2).requires_grad_()
     x_shard = x.detach().clone().requires_grad_()

@@ -1,10 +1,10 @@
-"""`colossalai.checkpoint_io.utils`: `gather_distributed_param` for FSDP2-sharded parameters (DTensors); a
-tensor-parallel parameter here does not carry its process group, so gathering one by itself is refused (the boosted
-model's `state_dict()` and `booster.save_model` gather every parameter)."""
+"""`colossalai.checkpoint_io.utils`: `gather_distributed_param`, the whole tensor of a sharded parameter: an FSDP2
+DTensor's full tensor, or a tensor-parallel shard gathered over the group its TPSpec records (collective over that
+group), without padding."""
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardformer.layer.spec import get_tp_spec
+from shardformer.layer.spec import gather_tensor, get_tp_spec
 
 from .._refused import refused_function
 
@@ -12,15 +12,12 @@ __all__ = ["gather_distributed_param", "create_pinned_state_dict"]
 
 
 def gather_distributed_param(param: torch.Tensor, keep_vars: bool = False) -> torch.Tensor:
-    """The whole parameter: a DTensor's full tensor; a replicated one as it is."""
+    """The whole parameter: a DTensor's full tensor, a tensor-parallel shard gathered, a replicated one as it is."""
     tensor = param if keep_vars else param.detach()
     if isinstance(tensor, DTensor):
         return tensor.full_tensor()
-    if get_tp_spec(param) is not None:
-        raise NotImplementedError("gather_distributed_param of a tensor-parallel shard: the parameter does not carry "
-                                  "its process group here; use the boosted model's state_dict() (whole tensors) or "
-                                  "shardformer.layer.gather_tensor(shard, spec, tp_group).")
-    return tensor
+    spec = get_tp_spec(param)
+    return tensor if spec is None else gather_tensor(tensor, spec, spec.group)
 
 
 create_pinned_state_dict = refused_function("create_pinned_state_dict", "asynchronous pinned-memory saving is not "

@@ -38,6 +38,12 @@ class ShardConfig:
         return self.sequence_parallel_process_group or self.tensor_parallel_process_group
 
     @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks the sequence is split over (ColossalAI's name; 1 without sequence parallelism)."""
+        group = self.sp_group
+        return 1 if group is None else dist.get_world_size(group)
+
+    @property
     def ep_size(self) -> int:
         group = self.expert_parallel_process_group
         return 1 if group is None else dist.get_world_size(group)

@@ -58,6 +58,12 @@ class ShardConfig:
     sequence_parallel_process_group = sp_group
 
     @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks the sequence is split over (ColossalAI's name; 1 without sequence parallelism)."""
+        group = self.sp_group
+        return 1 if group is None else dist.get_world_size(group)
+
+    @property
     def ep_size(self) -> int:
         group = self.expert_parallel_process_group
         return 1 if group is None else dist.get_world_size(group)

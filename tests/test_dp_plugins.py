@@ -40,7 +40,7 @@ def _train(plugin: Plugin, directory: str) -> None:
         with booster.no_sync(model, opt) if step % 2 == 0 else contextlib.nullcontext():
             booster.backward(mu.criterion(model(**halves[2 * rank]), None) / 2, opt)
             if isinstance(plugin, TorchDDPPlugin) and step % 2 == 0:  # not reduced: each rank holds its own
-                grad = model.module.transformer.wpe.weight.grad
+                grad = model.unwrap().transformer.wpe.weight.grad
                 grads = [torch.empty_like(grad) for _ in range(world)]
                 dist.all_gather(grads, grad)
                 assert not torch.allclose(grads[0], grads[1]), "no_sync reduced the gradients"
@@ -57,7 +57,7 @@ def _train(plugin: Plugin, directory: str) -> None:
         for p in model.parameters():
             p.zero_()
     booster.load_model(model, checkpoint)
-    ours = model.module if isinstance(plugin, TorchDDPPlugin) else model.unwrap()
+    ours = model.unwrap()
     for name, p in ours.named_parameters():
         mu.assert_close(p.data, trained[name], f"{type(plugin).__name__} {name} after load_model")
     if isinstance(plugin, TorchDDPPlugin):  # torch's optimizer state_dict, through safetensors + JSON

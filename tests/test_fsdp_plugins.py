@@ -17,6 +17,7 @@ from transformers import LlamaForCausalLM
 from booster_plugin import Booster, DPPluginBase, GeminiPlugin, TorchFSDPPlugin
 from booster_plugin.colossalai.booster.plugin import GeminiPlugin as MirrorGemini
 from booster_plugin.colossalai.booster.plugin.torch_fsdp_plugin import TorchFSDPPlugin as MirrorFSDP
+from booster_plugin.colossalai.testing import check_state_dict_equal
 from pipeline.groups import world_group
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
@@ -87,6 +88,12 @@ def _train_save_resume(kind: str, directory: str) -> None:
     trained = _full_state(model)
     for name, p in reference.named_parameters():
         mu.assert_close(trained[name], p.detach(), f"{kind} {name} after {STEPS} steps")
+    if kind == "gemini":  # ColossalAI's GeminiDDP.state_dict: whole tensors, own names; rank 0 only by default
+        everywhere, on_rank_0 = model.state_dict(only_rank_0=False), model.state_dict()
+        assert set(everywhere) == set(reference.state_dict()), sorted(everywhere)
+        for name, p in reference.named_parameters():
+            mu.assert_close(everywhere[name], p.detach(), f"gemini state_dict(only_rank_0=False) {name}")
+        assert set(on_rank_0) == (set(everywhere) if dist.get_rank() == 0 else set()), sorted(on_rank_0)
 
     # HF checkpoint: shard=True a directory with an index, shard=False one model.safetensors
     shard = kind == "gemini"
@@ -116,6 +123,9 @@ def _train_save_resume(kind: str, directory: str) -> None:
     resumed, uninterrupted = _full_state(model2), _full_state(model)
     for name, value in uninterrupted.items():
         mu.assert_close(resumed[name], value, f"{kind} {name}: resumed step vs uninterrupted", tol=1e-6)
+    assert all(type(g["betas"]) is tuple for g in optim2.param_groups)  # as saved (torch's loader makes lists)
+    if kind == "gemini":  # ColossalAI's GeminiOptimizer.state_dict(only_rank_0=False): whole, on every rank
+        check_state_dict_equal(optim2.state_dict(only_rank_0=False), optim.state_dict(only_rank_0=False))
     assert scheduler2.get_last_lr() == scheduler.get_last_lr()
 
 

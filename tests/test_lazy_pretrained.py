@@ -187,6 +187,21 @@ def test_from_config_equals_eager_init():
     _assert_same(model, reference, "Mixtral from_config")
 
 
+def test_copy_inside_the_context_materializes_as_the_original():
+    """ColossalAI's tests build a model and `copy.deepcopy` it under one LazyInitContext, materialize one and boost
+    the other, then compare them: a copy's values are the original's (eager init's), not draws of its own."""
+    torch.manual_seed(11)
+    reference = _mixtral()
+    torch.manual_seed(11)
+    with LazyInitContext():
+        model = _mixtral()
+        copied = copy.deepcopy(model)
+    LazyInitContext.materialize(copied)
+    LazyInitContext.materialize(model)
+    _assert_same(copied, reference, "deepcopy under LazyInitContext")
+    _assert_same(model, reference, "the original of the copy")
+
+
 class _TorchInits(torch.nn.Module):
     """torch's init functions that return at once on meta (trunc_normal_, orthogonal_, sparse_), a generator of the
     script's, factories with data (also onto a parameter's device) or draws, in-place edits of views, a dtype cast,

@@ -17,10 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from ..core.torch_amp import AMPModule
-
+from ..core.ddp_model import ddp_module as ddp_wrapper
 from ..core.optimizer_wrapper import OptimizerWrapper
 from .atomic import replace_file, resolve_dir, swap_into_place
 from .context import CheckpointContext
@@ -47,13 +45,8 @@ def ddp_context(device: torch.device, timeout_s: float) -> CheckpointContext:
 
 
 def ddp_module(model: nn.Module) -> nn.Module:
-    """The model inside the DistributedDataParallel that TorchDDPPlugin's boost returned (under torch AMP too)."""
-    if isinstance(model, AMPModule):
-        model = model.module
-    if isinstance(model, DistributedDataParallel):
-        return model.module
-    raise TypeError(f"Expected the model returned by booster.boost() with TorchDDPPlugin (a torch "
-                    f"DistributedDataParallel), got {type(model).__name__}.")
+    """The original model inside the TorchDDPModel that TorchDDPPlugin's boost returned (under torch AMP too)."""
+    return ddp_wrapper(model).module
 
 
 def _tied_targets(module: nn.Module) -> Dict[str, str]:

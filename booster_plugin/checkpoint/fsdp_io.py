@@ -1,6 +1,6 @@
 """FSDPCheckpointIO: checkpoints of a model boosted by GeminiPlugin or TorchFSDPPlugin (torch FSDP2).
 
-torch's own state-dict helpers move the tensors between the shards and full tensors
+torch's own state-dict helpers (through fsdp_state.py) move the tensors between the shards and full tensors
 (`torch.distributed.checkpoint.state_dict`: `get_model_state_dict` / `get_optimizer_state_dict` with
 `full_state_dict=True, cpu_offload=True` gather the full tensors onto rank 0; `set_model_state_dict` /
 `set_optimizer_state_dict` with `full_state_dict=True` keep each rank's slice of the full tensors given). Files are
@@ -24,13 +24,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from ..fsdp.model import fsdp_module, hf_class_name
-from ..guards.optimizer_guard import boosted_step
 from ..core.optimizer_wrapper import OptimizerWrapper
+from ..fsdp.model import fsdp_module, hf_class_name
+from ..fsdp.state import full_model_state, full_optimizer_state, load_full_optimizer_state
+from ..guards.optimizer_guard import boosted_step
 from .atomic import replace_file, resolve_dir, swap_into_place
 from .ddp_io import OPTIMIZER_JSON, OPTIMIZER_TENSORS, TorchDDPCheckpointIO, _no_commit, _tied_targets, read_state
 from .format import (TORCH_SUFFIXES, Entry, from_json, read_json, to_json, write_json,
@@ -44,7 +43,6 @@ from .save import LocalPhase, collective_save
 
 __all__ = ["FSDPCheckpointIO"]
 
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0 only
 _SCATTER = StateDictOptions(full_state_dict=True, strict=False)      # each rank keeps its slices of full tensors
 _FORMAT = "fsdp-full-state-dict"
 
@@ -70,7 +68,7 @@ class FSDPCheckpointIO(TorchDDPCheckpointIO):
                         single_file=single, use_async=use_async)
 
     def _model_phase(self, module: nn.Module, layout: "_ModelFiles", tmp: str, use_async: bool) -> LocalPhase:
-        state = get_model_state_dict(module, options=_GATHER)  # collective
+        state = full_model_state(module, rank0_only=True)  # collective
         if self.context.rank != 0:
             return LocalPhase(commit=_no_commit)
         tied = _tied_targets(module)
@@ -105,8 +103,7 @@ class FSDPCheckpointIO(TorchDDPCheckpointIO):
 
     def _optimizer_phase(self, optimizer: OptimizerWrapper, optim: torch.optim.Optimizer, module: nn.Module,
                          tmp: str, path: str) -> LocalPhase:
-        with boosted_step(optim):  # (before any step, torch initializes the state with a step of lr 0)
-            state = get_optimizer_state_dict(module, optim, options=_GATHER)  # collective
+        state = full_optimizer_state(module, optim, rank0_only=True)  # collective
         if self.context.rank != 0:
             return LocalPhase(commit=_no_commit)
         try:
@@ -128,8 +125,7 @@ class FSDPCheckpointIO(TorchDDPCheckpointIO):
                                      num_threads)
         agree(error, f"load_optimizer({checkpoint!r})", self.context.device)
         state, scaler_state = loaded
-        with boosted_step(optim):  # torch initializes the state with a step of lr 0 (not the user's stray step)
-            set_optimizer_state_dict(module, optim, state, options=StateDictOptions(full_state_dict=True))
+        load_full_optimizer_state(module, optim, state)
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None and scaler_state is not None:
             scaler.load_state_dict(scaler_state)

@@ -4,8 +4,10 @@ The port of a ColossalAI script is one mechanical substitution of the word `colo
 
     sed -i -E 's/\bcolossalai\b/booster_plugin.colossalai/g' train.py
 
-Every submodule here re-exports this library's counterpart under ColossalAI's name (docs/colossalai_inventory.md
-lists each name ColossalAI's training scripts import and what stands for it, or why nothing does).
+Every submodule here re-exports this library's counterpart under ColossalAI's name, or a thin adapter with
+ColossalAI's arguments; a name with no counterpart imports and raises NotImplementedError with the reason when used
+(_refused.py). docs/colossalai_inventory.md lists each name ColossalAI's training scripts and its own tests import
+(`testing`, `interface`, `shardformer.layer`, ...) and what stands for it, or why nothing does.
 """
 from importlib.metadata import PackageNotFoundError, version
 

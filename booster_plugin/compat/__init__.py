@@ -15,7 +15,7 @@ by changing imports only:
 
 Each is built on torch: torch.distributed for the coordinator, torch.optim.Adam for HybridAdam, the meta device for
 lazy initialization (booster_plugin/lazy: `from_pretrained` too; the plugin materializes only each rank's shard at
-`boost`), torch.accelerator for devices.
+`boost`), torch.accelerator for devices (booster_plugin/compat/accelerator.py: ColossalAI's whole accelerator API).
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import contextlib
 import functools
 import os
 import random
-import resource
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
@@ -32,8 +31,9 @@ import torch.distributed as dist
 
 from pipeline.groups import world_group
 
-from ..guards.launch import default_device, ensure_distributed
+from ..guards.launch import ensure_distributed
 from ..lazy import LazyInitContext
+from .accelerator import get_accelerator
 from .v_schedule import PipelineGraph, ScheduledNode
 
 __all__ = ["DistCoordinator", "HybridAdam", "LazyInitContext", "PipelineGraph", "ScheduledNode", "get_accelerator",
@@ -158,61 +158,3 @@ class HybridAdam(torch.optim.Adam):
                           "are unaffected.", stacklevel=2)
         super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          decoupled_weight_decay=adamw_mode, **defaults)
-
-
-class _Accelerator:
-    """The device this rank computes on (ColossalAI's accelerator API): torch.accelerator where there is one, the
-    CPU otherwise (memory figures then come from the process's peak resident set)."""
-
-    def __init__(self) -> None:
-        self._acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        self.name = self._acc.type if self._acc is not None else "cpu"
-        self.communication_backend = dist.Backend.default_device_backend_map.get(self.name, "gloo")
-
-    def get_current_device(self) -> torch.device:
-        return default_device()
-
-    def current_device(self) -> int:
-        return torch.accelerator.current_device_index() if self._acc is not None else 0
-
-    def set_device(self, device: Any = None) -> None:
-        if self._acc is not None and device is not None:
-            torch.accelerator.set_device_index(device)
-
-    def is_available(self) -> bool:
-        return True
-
-    def device_count(self) -> int:
-        return torch.accelerator.device_count() if self._acc is not None else 1
-
-    def synchronize(self, device: Any = None) -> None:
-        if self._acc is not None:
-            torch.accelerator.synchronize(device)
-
-    def empty_cache(self) -> None:
-        if self._acc is not None:
-            torch.accelerator.empty_cache()
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    manual_seed_all = manual_seed
-
-    def memory_allocated(self, device: Any = None) -> int:
-        return torch.accelerator.memory_allocated(device) if self._acc is not None else _peak_rss()
-
-    def max_memory_allocated(self, device: Any = None) -> int:
-        return torch.accelerator.max_memory_allocated(device) if self._acc is not None else _peak_rss()
-
-    def reset_peak_memory_stats(self, device: Any = None) -> None:
-        if self._acc is not None:
-            torch.accelerator.reset_peak_memory_stats(device)
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-@functools.lru_cache(maxsize=1)
-def get_accelerator() -> _Accelerator:
-    return _Accelerator()

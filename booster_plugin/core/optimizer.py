@@ -15,6 +15,7 @@ from shardformer.layer.spec import get_tp_spec
 
 from .mixed_precision import MAX_SKIPS_AT_MIN_SCALE, DynamicLossScaler, nonfinite_stages
 from ..guards.optimizer_guard import boosted_step
+from .optimizer_wrapper import OptimizerWrapper
 from .parallel_module import HybridParallelModule
 
 __all__ = ["HybridParallelOptimizer", "global_norm"]
@@ -42,6 +43,7 @@ def global_norm(parts: Sequence[Tuple[List[torch.Tensor], Iterable[Optional[dist
     return total if inf else total.pow(1.0 / norm_type)
 
 
+@OptimizerWrapper.register  # ColossalAI's boosted optimizers are all OptimizerWrappers
 class HybridParallelOptimizer:
     """Wraps the user's optimizer (now over this stage's parameters): gradient sync, loss scaling (fp16), clipping
     before step. Mixed precision: the optimizer steps fp32 master copies of the (bf16/fp16) model parameters.

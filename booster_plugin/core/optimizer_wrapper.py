@@ -1,6 +1,7 @@
 """OptimizerWrapper: ColossalAI's wrapper of a torch optimizer, the boosted optimizer of TorchDDPPlugin."""
 from __future__ import annotations
 
+from abc import ABCMeta
 from typing import Any
 
 import torch
@@ -9,9 +10,11 @@ from torch import nn
 __all__ = ["OptimizerWrapper"]
 
 
-class OptimizerWrapper:
+class OptimizerWrapper(metaclass=ABCMeta):
     """ColossalAI's OptimizerWrapper: the boosted optimizer of TorchDDPPlugin. `backward(loss)` runs the backward
-    (DDP averages the gradients in it); other attributes are the wrapped optimizer's."""
+    (DDP averages the gradients in it); other attributes are the wrapped optimizer's. Every plugin's boosted optimizer
+    is one (`isinstance(optimizer, OptimizerWrapper)`, as in ColossalAI): the FSDP ones subclass it,
+    HybridParallelOptimizer (and so ZeroOptimizer) is registered with it."""
 
     def __init__(self, optim: torch.optim.Optimizer) -> None:
         self.optim = optim

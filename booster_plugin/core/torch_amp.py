@@ -58,8 +58,8 @@ class AMPModule(nn.Module):
             return self.module(*args, **kwargs)
 
     def unwrap(self) -> nn.Module:
-        """The user's model (inside the DistributedDataParallel this wraps)."""
-        return getattr(self.module, "module", self.module)
+        """The user's model (inside the plugin's boosted model this wraps, as ColossalAI's ModelWrapper.unwrap)."""
+        return self.module.unwrap()
 
 
 class AMPCriterion:

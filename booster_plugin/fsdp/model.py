@@ -2,11 +2,14 @@
 GeminiDDP)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, Optional
 
+import torch
 from torch import nn
 
-__all__ = ["FSDPModel", "fsdp_module", "hf_class_name"]
+from .state import full_model_state
+
+__all__ = ["FSDPModel", "GeminiModel", "fsdp_module", "hf_class_name"]
 
 
 class FSDPModel(nn.Module):
@@ -23,6 +26,19 @@ class FSDPModel(nn.Module):
 
     def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
         return self.module
+
+
+class GeminiModel(FSDPModel):
+    """GeminiPlugin's boosted model (ColossalAI's GeminiDDP): `state_dict()` is the whole model's, under the
+    model's own names; with `only_rank_0` (the default, as ColossalAI) rank 0 gets it (on the CPU) and the other ranks
+    an empty dict. Collective: every rank calls it."""
+
+    def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False,
+                   only_rank_0: bool = True) -> Dict[str, torch.Tensor]:
+        state = full_model_state(self.module, rank0_only=only_rank_0)
+        destination = {} if destination is None else destination
+        destination.update({prefix + name: tensor for name, tensor in state.items()})
+        return destination
 
 
 def fsdp_module(model: nn.Module) -> nn.Module:

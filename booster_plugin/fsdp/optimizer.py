@@ -8,7 +8,7 @@ in the backward), so clipping needs only the global norm, which torch's clip_gra
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,8 +16,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..core.mixed_precision import DynamicLossScaler
-from ..guards.optimizer_guard import boosted_step
 from ..core.optimizer_wrapper import OptimizerWrapper
+from ..guards.optimizer_guard import boosted_step
+from .model import fsdp_module
+from .state import full_optimizer_state, load_full_optimizer_state
 
 __all__ = ["FSDPOptimizerWrapper", "GeminiOptimizer", "full_value"]
 
@@ -109,3 +111,12 @@ class GeminiOptimizer(FSDPOptimizerWrapper):
 
     def clip_grad_by_value(self, clip_value: float, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("Gemini does not support clip_grad_by_value (as in ColossalAI).")
+
+    def state_dict(self, only_rank_0: bool = True) -> Dict[str, Any]:
+        """The whole optimizer state (keyed by parameter name) and param groups, as ColossalAI's GeminiOptimizer:
+        with `only_rank_0` on rank 0 only (the others get an empty dict). Collective."""
+        return full_optimizer_state(fsdp_module(self.model), self.optim, rank0_only=only_rank_0)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a whole state as `state_dict(only_rank_0=False)` returns it; every rank keeps its slices."""
+        load_full_optimizer_state(fsdp_module(self.model), self.optim, state_dict)

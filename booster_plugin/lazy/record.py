@@ -261,7 +261,9 @@ def _transformers_init(recorder: Recorder) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _models_built(found: Callable[[nn.Module], None]) -> Iterator[None]:
-    """`found(model)` at the end for each module given tensors or children meanwhile that is no other's child."""
+    """`found(model)` at the end for each module given tensors or children meanwhile that is no other's child, and
+    for each copy of one made meanwhile (`copy.deepcopy` restores a module's state without registering anything: as
+    ColossalAI's lazy tensors, a copy then materializes to the original's values, its clones being recorded)."""
     owners: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
     children: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -270,12 +272,21 @@ def _models_built(found: Callable[[nn.Module], None]) -> Iterator[None]:
         if isinstance(value, nn.Module):
             children.add(value)
 
+    original_setstate = nn.Module.__setstate__
+
+    def setstate(module: nn.Module, state: dict) -> None:
+        original_setstate(module, state)
+        owners.add(module)
+        children.update(module.children())
+
     handles = [nn_module.register_module_parameter_registration_hook(owns),
                nn_module.register_module_buffer_registration_hook(owns),
                nn_module.register_module_module_registration_hook(owns)]
+    nn.Module.__setstate__ = setstate
     try:
         yield
     finally:
+        nn.Module.__setstate__ = original_setstate
         for handle in handles:
             handle.remove()
     for module in list(owners):

@@ -19,6 +19,8 @@ from torch.distributed import ProcessGroup
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+from ..guards.launch import ARRIVAL_TIMEOUT_S, arrival_barrier
+
 __all__ = ["Plugin", "DPPluginBase", "BoosterCheckpointIO"]
 
 
@@ -58,9 +60,10 @@ class Plugin(ABC):
     def no_sync(self, model: nn.Module, optimizer: Any = None) -> ContextManager[None]:
         """Gradient accumulation: backward passes inside do not reduce gradients over data parallel."""
 
-    @abstractmethod
     def arrive(self, call: str) -> None:
-        """Start of a collective call (checkpoints): fails on the ranks that arrived if some rank never does."""
+        """Start of a collective call (checkpoints): fails on the ranks that arrived if some rank never does (by
+        default a monitored barrier over the world)."""
+        arrival_barrier(call, ARRIVAL_TIMEOUT_S)
 
     def control_checkpoint_io(self) -> bool:
         """ColossalAI's query: every plugin here provides its checkpoint IO."""
@@ -86,19 +89,25 @@ class Plugin(ABC):
 
 class DPPluginBase(Plugin):
     """ColossalAI's base class of data-parallel plugins: ranks and size of the data-parallel group and
-    `prepare_dataloader` over it."""
+    `prepare_dataloader` over it. By default (a user's subclass, as ColossalAI's) data parallelism is the world, and
+    the constructor records `rank` and `world_size` as ColossalAI's does; plugins with other layouts override."""
+
+    def __init__(self) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("A data-parallel plugin needs torch.distributed: call launch_from_torch() first.")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     @property
-    @abstractmethod
-    def dp_group(self) -> ProcessGroup: ...
+    def dp_group(self) -> ProcessGroup:
+        return world_group()
 
     @property
-    @abstractmethod
-    def dp_rank(self) -> int: ...
+    def dp_rank(self) -> int:
+        return dist.get_rank()
 
     @property
-    @abstractmethod
-    def dp_size(self) -> int: ...
+    def dp_size(self) -> int:
+        return dist.get_world_size()
 
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,
                            drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0,
@@ -110,25 +119,6 @@ class DPPluginBase(Plugin):
         sampler = sampler_cls(dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle, seed=seed)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, worker_init_fn=_WorkerSeed(seed),
                           drop_last=drop_last, pin_memory=pin_memory, num_workers=num_workers, **kwargs)
-
-
-class WorldDPPluginBase(DPPluginBase):
-    """A data-parallel plugin over the whole world (TorchDDPPlugin, the FSDP2 plugins): dp is every rank, in
-    `self.rank` / `self.world_size` order."""
-    rank: int
-    world_size: int
-
-    @property
-    def dp_group(self) -> ProcessGroup:
-        return world_group()
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size
 
 
 class _WorkerSeed:

@@ -25,24 +25,26 @@ from ..compat.colossal_args import Unacted
 from ..checkpoint.fsdp_io import FSDPCheckpointIO
 from ..compat.fsdp_args import (FSDP1_UNACTED, GEMINI_UNACTED, ShardLayout, fsdp1_layout, fsdp1_mp_policy,
                         refuse_fsdp1_options, warn_unacted)
-from ..fsdp.model import FSDPModel
+from ..core.mixed_precision import DynamicLossScaler, LossScalerConfig
+from ..fsdp.model import FSDPModel, GeminiModel
 from ..fsdp.optimizer import FSDPOptimizerWrapper, GeminiOptimizer
 from ..fsdp.shard import (decoder_layers, make_mesh, parameter_names, policy_targets, prepare_replicas,
                          rebind_optimizer, shard_model)
-from ..guards.launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
-from ..core.mixed_precision import DynamicLossScaler, LossScalerConfig
+from ..guards.launch import DEFAULT_TIMEOUT_S, default_device, ensure_distributed
 from ..guards.optimizer_guard import guard_parameters
-from .base import WorldDPPluginBase
+from .base import DPPluginBase
 
 __all__ = ["FSDPPluginBase", "GeminiPlugin", "TorchFSDPPlugin"]
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class FSDPPluginBase(WorldDPPluginBase):
+class FSDPPluginBase(DPPluginBase):
     """What both FSDP2 plugins share: the mesh, `configure` (module docstring), checkpoints, and the data-parallel
     group (the world) that prepare_dataloader splits the data over. Subclasses set the policies and wrap the
     optimizer."""
+
+    model_class = FSDPModel  # what boost returns the sharded model in
 
     def __init__(self, layout: ShardLayout, mp_policy: MixedPrecisionPolicy,
                  root_mp_policy: Optional[MixedPrecisionPolicy] = None, offload_policy: Optional[OffloadPolicy] = None,
@@ -76,7 +78,7 @@ class FSDPPluginBase(WorldDPPluginBase):
         model = prepare_replicas(model, self.device)
         layers = policy_targets(model, self.wrap_policy) if self.wrap_policy is not None else decoder_layers(model)
         shard_model(model, layers, self.mesh, self.layout, self.mp_policy, self.root_mp_policy, self.offload_policy)
-        boosted = FSDPModel(model)
+        boosted = self.model_class(model)
         guard_parameters(model)  # an optimizer that skips boost is refused at its step, as HybridParallelPlugin's
         if optimizer is not None and not isinstance(optimizer, FSDPOptimizerWrapper):
             rebind_optimizer(optimizer, names, model)
@@ -93,11 +95,6 @@ class FSDPPluginBase(WorldDPPluginBase):
         raise NotImplementedError(f"{type(self).__name__} does not support no_sync (as in ColossalAI). Gradient "
                                   f"accumulation needs none: call booster.backward for each micro-batch, then "
                                   f"optimizer.step(); every backward reduces its gradients, and they add up.")
-
-    def arrive(self, call: str) -> None:
-        """A monitored barrier over the world: a collective call made on some ranks only fails within
-        ARRIVAL_TIMEOUT_S on the ranks that arrived."""
-        arrival_barrier(call, ARRIVAL_TIMEOUT_S)
 
 
 class GeminiPlugin(FSDPPluginBase):
@@ -122,6 +119,8 @@ class GeminiPlugin(FSDPPluginBase):
     Accepted, speed or memory only (a non-default value warns on rank 0): fsdp_args.GEMINI_UNACTED (chunk
     configuration and placement, offload fractions, kernels, fp8).
     """
+
+    model_class = GeminiModel  # state_dict(only_rank_0=...) as ColossalAI's GeminiDDP
 
     def __init__(self, chunk_config_dict: Optional[dict] = None, chunk_init_device: Optional[torch.device] = None,
                  placement_policy: str = "static", enable_gradient_accumulation: bool = False, max_prefetch: int = 0,

@@ -15,18 +15,20 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from ..checkpoint.ddp_io import TorchDDPCheckpointIO, ddp_context
-from ..guards.launch import ARRIVAL_TIMEOUT_S, DEFAULT_TIMEOUT_S, arrival_barrier, default_device, ensure_distributed
+from ..core.ddp_model import TorchDDPModel, ddp_module
 from ..core.optimizer_wrapper import OptimizerWrapper
-from .base import WorldDPPluginBase
-from ..core.torch_amp import AMPModule
+from ..guards.launch import DEFAULT_TIMEOUT_S, default_device, ensure_distributed
+from .base import DPPluginBase
 
 __all__ = ["TorchDDPPlugin", "OptimizerWrapper"]
 
 
-class TorchDDPPlugin(WorldDPPluginBase):
+class TorchDDPPlugin(DPPluginBase):
     """ColossalAI's TorchDDPPlugin, every argument by name: the model wrapped in torch's DistributedDataParallel
-    over the world (its arguments as given), the optimizer in OptimizerWrapper. Precision is the model's own (as in
-    ColossalAI, this plugin does not control it: `Booster(mixed_precision="fp16")` runs torch AMP around it). No pipeline: `execute_pipeline` is refused.
+    over the world (its arguments as given) inside a TorchDDPModel (`model.module` is the DDP, `model.unwrap()` the
+    model, as ColossalAI's), the optimizer in OptimizerWrapper. Precision is the model's own (as in
+    ColossalAI, this plugin does not control it: `Booster(mixed_precision="fp16")` runs torch AMP around it). No
+    pipeline: `execute_pipeline` is refused.
 
     Args:
         broadcast_buffers, bucket_cap_mb, find_unused_parameters, check_reduction, gradient_as_bucket_view,
@@ -53,9 +55,11 @@ class TorchDDPPlugin(WorldDPPluginBase):
     def configure(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                   criterion: Optional[Callable] = None, dataloader: Optional[DataLoader] = None, lr_scheduler=None):
         """The model on this rank's device (BatchNorm made SyncBatchNorm, as ColossalAI), in DistributedDataParallel
-        (rank 0's parameters and buffers broadcast to every rank); the optimizer in OptimizerWrapper."""
-        if isinstance(model, DistributedDataParallel):
-            raise ValueError("The model is already boosted (a DistributedDataParallel): boost the original model once.")
+        (rank 0's parameters and buffers broadcast to every rank) in a TorchDDPModel; the optimizer in
+        OptimizerWrapper."""
+        if isinstance(model, (TorchDDPModel, DistributedDataParallel)):
+            raise ValueError(f"The model is already boosted (a {type(model).__name__}): boost the original model "
+                             f"once.")
         if any(isinstance(m, _BatchNorm) for m in model.modules()):
             if self.device.type == "cpu":
                 raise NotImplementedError("TorchDDPPlugin converts BatchNorm to SyncBatchNorm, which needs an "
@@ -63,7 +67,8 @@ class TorchDDPPlugin(WorldDPPluginBase):
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = model.to(self.device)
         device_ids = [self.device] if self.device.type != "cpu" else None
-        model = DistributedDataParallel(model, device_ids=device_ids, process_group=world_group(), **self.ddp_kwargs)
+        model = TorchDDPModel(DistributedDataParallel(model, device_ids=device_ids, process_group=world_group(),
+                                                      **self.ddp_kwargs))
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             optimizer = OptimizerWrapper(optimizer)
         return model, optimizer, criterion, dataloader, lr_scheduler
@@ -77,14 +82,4 @@ class TorchDDPPlugin(WorldDPPluginBase):
 
     def no_sync(self, model: Optional[nn.Module] = None, optimizer: Any = None) -> ContextManager[None]:
         """DistributedDataParallel's no_sync: gradients accumulate locally until the first backward outside."""
-        if isinstance(model, AMPModule):
-            model = model.module
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"no_sync needs the model returned by booster.boost() with TorchDDPPlugin (a torch "
-                            f"DistributedDataParallel), got {type(model).__name__}.")
-        return model.no_sync()
-
-    def arrive(self, call: str) -> None:
-        """A monitored barrier over the world: a collective call made on some ranks only fails within
-        ARRIVAL_TIMEOUT_S on the ranks that arrived (backends without monitored barriers skip it)."""
-        arrival_barrier(call, ARRIVAL_TIMEOUT_S)
+        return ddp_module(model).no_sync()

@@ -46,7 +46,8 @@ class VocabParallelEmbedding(UnshardedStateDict, nn.Module):
         self.vocab_start = self.tp_rank * per_rank
         self.vocab_end = self.vocab_start + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device, dtype=dtype))
-        set_tp_spec(self.weight, TPSpec(0, full_size=num_embeddings, padded=self.padded_num_embeddings))
+        set_tp_spec(self.weight, TPSpec(0, full_size=num_embeddings, padded=self.padded_num_embeddings,
+                                        group=tp_group))
         if self.weight.device.type != "meta":  # meta: parameters are replaced right after
             self.reset_parameters()
 

@@ -31,7 +31,8 @@ class HeadParallelEmbedding(UnshardedStateDict, nn.Module):
         self.num_embeddings = module.num_embeddings
         self.embedding_dim = module.embedding_dim // self.tp_size
         self.padding_idx = module.padding_idx
-        self.weight = shard_parameter(module.weight, TPSpec(1), self.tp_rank, self.tp_size)
+        self.weight = shard_parameter(module.weight, TPSpec(1, group=tp_group), self.tp_rank,
+                                      self.tp_size)
 
     def forward(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, self.weight, self.padding_idx)

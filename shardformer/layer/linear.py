@@ -126,9 +126,9 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype)) if bias else None
         full_size = None if padded_out_features is None else out_features
         pad_to = None if padded_out_features is None else padded
-        set_tp_spec(self.weight, TPSpec(1 if is_conv1d else 0, n_fused, full_size, pad_to))
+        set_tp_spec(self.weight, TPSpec(1 if is_conv1d else 0, n_fused, full_size, pad_to, group=tp_group))
         if self.bias is not None:
-            set_tp_spec(self.bias, TPSpec(0, n_fused, full_size, pad_to))
+            set_tp_spec(self.bias, TPSpec(0, n_fused, full_size, pad_to, group=tp_group))
         if self.weight.device.type != "meta":  # meta: parameters are replaced right after
             self.reset_parameters()
 
@@ -245,7 +245,7 @@ class RowParallelLinear(UnshardedStateDict, nn.Module):
         shape = (self.in_features, out_features) if is_conv1d else (out_features, self.in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        set_tp_spec(self.weight, TPSpec(0 if is_conv1d else 1))
+        set_tp_spec(self.weight, TPSpec(0 if is_conv1d else 1, group=tp_group))
         if self.weight.device.type != "meta":  # meta: parameters are replaced right after
             self.reset_parameters()
 

@@ -1,7 +1,7 @@
 """Sharding metadata attached to tensor-parallel parameters, and the shard / unshard helpers checkpoints use."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, List, NamedTuple, Sequence
 
 import torch
@@ -23,12 +23,19 @@ class TPSpec:
     dim: the split dimension. n_fused: number of equal fused areas along `dim` (3 for GPT-2's q,k,v), each split
     separately. full_size: unpadded global size along `dim` when the parameter carries padding (vocab padding), else
     None. padded: global size along `dim` after padding; None rounds full_size up to a multiple of the group size.
+    group: the process group it is split over (None: the default group).
     """
 
     dim: int
     n_fused: int = 1
     full_size: int | None = None
     padded: int | None = None
+    # the tensor-parallel group it is split over (None: the default group, as the layers read None); a process-wide
+    # handle: copies of the spec share it
+    group: ProcessGroup | None = field(default=None, compare=False, repr=False)
+
+    def __deepcopy__(self, memo: dict) -> "TPSpec":
+        return replace(self)
 
 
 def set_tp_spec(param: Tensor, spec: TPSpec) -> None:

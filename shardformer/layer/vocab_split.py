@@ -40,7 +40,7 @@ def shard_embedding_in_place(module: nn.Embedding, group: ProcessGroup | None, m
     padded = padded_size(module.num_embeddings, world, make_vocab_size_divisible_by)
     per_rank = padded // world
     start, end = rank * per_rank, (rank + 1) * per_rank
-    spec = TPSpec(0, full_size=module.num_embeddings, padded=padded)
+    spec = TPSpec(0, full_size=module.num_embeddings, padded=padded, group=group)
     module.weight = shard_parameter(module.weight, spec, rank, world)
     pad = module.padding_idx
     module.padding_idx = pad - start if pad is not None and start <= pad < end else None

@@ -140,7 +140,7 @@ def apply_styles(ctx: TPContext, style_of: Callable[[str], Optional[ParallelStyl
         style = style_of(name)
         if isinstance(style, SplitParam):
             parent, attr = get_submodule_parent(model, name)
-            spec = TPSpec(style.dim % p.dim(), style.n_fused)
+            spec = TPSpec(style.dim % p.dim(), style.n_fused, group=ctx.group)
             setattr(parent, attr, shard_parameter(p, spec, dist.get_rank(ctx.group), ctx.tp_size))
         elif isinstance(style, GradAllReduce):
             sum_grad_over_tp(p, ctx.group)

@@ -116,7 +116,7 @@ def shard_lora_layer(layer: nn.Module, style, group: Optional[ProcessGroup], rng
     split_input = False
     if isinstance(style, Colwise):
         layer.base_layer = ColumnParallelLinear.from_native_module(base, group, n_fused=style.n_fused)
-        spec = TPSpec(0, style.n_fused)  # nn.Linear (out, in): lora_B's output split like the base's
+        spec = TPSpec(0, style.n_fused, group=group)  # nn.Linear (out, in): lora_B's output split like the base's
         for name in layer.lora_A:
             sum_grads_over_tp(layer.lora_A[name], group)
             lora_b = layer.lora_B[name]

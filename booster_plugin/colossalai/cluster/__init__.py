@@ -1,4 +1,5 @@
 """`colossalai.cluster`."""
 from booster_plugin.compat import DistCoordinator
+from pipeline.mesh import ProcessGroupMesh
 
-__all__ = ["DistCoordinator"]
+__all__ = ["DistCoordinator", "ProcessGroupMesh"]

@@ -1,9 +1,17 @@
-"""`colossalai.shardformer`: its activation-checkpointing configurations, with ColossalAI's defaults."""
+"""`colossalai.shardformer`: its activation-checkpointing configurations, with ColossalAI's defaults. ShardFormer
+and ShardConfig (sharding a model without a plugin) are refused: HybridParallelPlugin shards at `boost`."""
 from dataclasses import dataclass
 
 from booster_plugin.core.activation_checkpoint import GradientCheckpointConfig as _GradientCheckpointConfig
 
-__all__ = ["GradientCheckpointConfig", "PipelineGradientCheckpointConfig"]
+from .._refused import refused_class
+
+__all__ = ["GradientCheckpointConfig", "PipelineGradientCheckpointConfig", "ShardConfig", "ShardFormer"]
+
+_BOOST = ("sharding happens in booster.boost(model) with HybridParallelPlugin (its arguments are ShardConfig's: "
+          "tp_size, enable_sequence_parallelism, ...); a model is not sharded on its own here.")
+ShardConfig = refused_class("ShardConfig", _BOOST)
+ShardFormer = refused_class("ShardFormer", _BOOST)
 
 
 @dataclass

@@ -1,0 +1,4 @@
+"""`colossalai.booster.booster`."""
+from booster_plugin import Booster
+
+__all__ = ["Booster"]

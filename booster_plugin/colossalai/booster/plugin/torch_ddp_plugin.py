@@ -1,0 +1,4 @@
+"""`colossalai.booster.plugin.torch_ddp_plugin`."""
+from booster_plugin import TorchDDPPlugin
+
+__all__ = ["TorchDDPPlugin"]

@@ -1,0 +1,4 @@
+"""`colossalai.lazy.lazy_init`."""
+from booster_plugin.compat import LazyInitContext
+
+__all__ = ["LazyInitContext"]

@@ -70,7 +70,7 @@ class Sharder:
         """On the unsharded model, every rank alike, before any collective: the plan fits the model and the layout;
         a plan that must be proven is proven."""
         self.policy.check_paths()
-        self.policy.check_tp(self.model.config, self.shard_config.tp_size)
+        self.policy.check_tp(getattr(self.model, "config", None), self.shard_config.tp_size)  # (any module: tp=1)
         if self.prove is not None:
             self.prove(self.policy)
         mode = self.shard_config.sp_mode

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from booster_plugin import Booster, HybridParallelPlugin, TorchDDPPlugin
+from booster_plugin import Booster, HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
 from shardformer.policies.from_transformers import PlanRefused
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
@@ -63,6 +63,49 @@ def _amp(precision: str, directory: str) -> None:
         mu.assert_close(p.data, q.data, f"{precision} saved {name}", 0)
 
 
+class _Net(torch.nn.Module):
+    """Not a transformers model: LowLevelZeroPlugin takes any nn.Module, as ColossalAI's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _any_module(directory: str) -> None:
+    """LowLevelZeroPlugin (ZeRO-2) trains a plain nn.Module equal to one process on the global batch; its weights
+    save and load."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = _Net()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-6)
+    model = copy.deepcopy(reference)
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=2))
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6))
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        mine = slice(4 * rank, 4 * (rank + 1))
+        booster.backward(torch.nn.functional.mse_loss(model(x[mine]), y[mine]), opt)
+        opt.step()
+        opt.zero_grad()
+    for (name, p), q in zip(model.unwrap().named_parameters(), reference.parameters()):
+        mu.assert_close(p.data, q.data, f"plain module {name}")
+    path = os.path.join(directory, "plain.safetensors")
+    booster.save_model(model, path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    booster.load_model(model, path)
+    for (name, p), q in zip(model.unwrap().named_parameters(), reference.parameters()):
+        mu.assert_close(p.data, q.data, f"plain module {name} reloaded")
+
+
 def _cases(directory: str) -> None:
     # an optimizer that stepped before boost: its Adam moments and step count continue on the shards
     mu.check_training("llama_lm", tp_size=2, pre_steps=2)
@@ -76,6 +119,7 @@ def _cases(directory: str) -> None:
         Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(mu.build("llama_own_lora_lm"))
     _amp("fp16", directory)
     _amp("bf16", directory)
+    _any_module(directory)
 
 
 def test_colossalai_training_semantics(tmp_path):

@@ -28,8 +28,9 @@ def tied_map(module: HybridParallelModule) -> Dict[str, str]:
     unwrapped = module.unwrap()
     keys = getattr(unwrapped, "all_tied_weights_keys", None)
     if keys is None:
-        keys = getattr(unwrapped, "_tied_weights_keys", None) if getattr(unwrapped.config, "tie_word_embeddings",
-                                                                          False) else None
+        config = getattr(unwrapped, "config", None)  # (None: not a transformers model, nothing tied by it)
+        keys = getattr(unwrapped, "_tied_weights_keys", None) if getattr(config, "tie_word_embeddings", False) \
+            else None
     if not isinstance(keys, dict):
         return {}
     full = module.full_params

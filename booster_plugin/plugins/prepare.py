@@ -25,7 +25,9 @@ from shardformer.layer.dropout import TPRNGTracker
 from shardformer.layer.split_weight_grads import prepare_split_backward
 from shardformer.multimodal_batch import image_rows
 from shardformer.policies import Policy, get_autopolicy
+from shardformer.policies.from_transformers import PlanRefused
 from shardformer.policies.proven import ProvenPolicy
+from shardformer.policies.whole_model import WholeModelPolicy
 from shardformer.proof.prove import prove_policy
 from shardformer.precision import cast_to_compute_dtype
 from shardformer.shard_config import SequenceSplit
@@ -77,7 +79,7 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
     param_names: Dict[int, List[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):  # a tied parameter has several names
         param_names.setdefault(id(p), []).append(name)
-    policy = opts.sharding.custom_policy if opts.sharding.custom_policy is not None else get_autopolicy(model)
+    policy = opts.sharding.custom_policy if opts.sharding.custom_policy is not None else _policy_of(model, opts, ctx)
     # the unsharded layout (names, shapes, dtypes), for checkpoints in HF format; what batches the model accepts
     multiple, split = _sequence_split(opts.sharding, ctx)
     info = ModelInfo(policy, {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)},
@@ -160,6 +162,17 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
     if opts.sharding.compile_layers:  # compiled at their first call, with everything above in place
         compile_layers(list(policy.layer_list()))
     return sharded
+
+
+def _policy_of(model: nn.Module, opts: PrepareOptions, ctx: ParallelContext) -> Policy:
+    """The model's policy; without any split inside the model (tp = pp = 1, no sp, no ep: ZeRO and dp only), a model
+    without one (any nn.Module, as ColossalAI's LowLevelZeroPlugin takes) trains whole (WholeModelPolicy)."""
+    try:
+        return get_autopolicy(model)
+    except PlanRefused:
+        if ctx.tp.size == ctx.pp.size == ctx.ep.size == 1 and opts.sharding.sp_mode is None:
+            return WholeModelPolicy()
+        raise
 
 
 def _sequence_split(sharding: ShardingConfig, ctx: ParallelContext) -> Tuple[int, str]:

@@ -56,7 +56,18 @@ def _load(layer: nn.Module, module: nn.Module) -> nn.Module:
     return layer
 
 
-class Linear1D_Col(ColumnParallelLinear):  # noqa: N801 (ColossalAI's name)
+class _FromNativeLinear:
+    """ColossalAI's `from_native_module` of its linear layers: this class over a copy of an nn.Linear's weights."""
+
+    @classmethod
+    def from_native_module(cls, module: nn.Linear, process_group: Optional[ProcessGroup] = None, **kwargs: Any):
+        kwargs.pop("dtype", None)
+        layer = cls(module.in_features, module.out_features, bias=module.bias is not None, device="meta",
+                    dtype=module.weight.dtype, process_group=process_group, **kwargs)
+        return _load(layer, module)
+
+
+class Linear1D_Col(_FromNativeLinear, ColumnParallelLinear):  # noqa: N801 (ColossalAI's name)
     """Output features split over `process_group`; `gather_output` all-gathers the output."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: Optional[torch.dtype] = None,
@@ -68,16 +79,8 @@ class Linear1D_Col(ColumnParallelLinear):  # noqa: N801 (ColossalAI's name)
                          device=device, dtype=dtype)
         self.sequence_dim = _sequence_dim("Linear1D_Col", seq_parallel_mode, seq_parallel_dim)
 
-    @classmethod
-    def from_native_module(cls, module: nn.Linear, process_group: Optional[ProcessGroup] = None,
-                           **kwargs: Any) -> "Linear1D_Col":
-        kwargs.pop("dtype", None)
-        layer = cls(module.in_features, module.out_features, bias=module.bias is not None, device="meta",
-                    dtype=module.weight.dtype, process_group=process_group, **kwargs)
-        return _load(layer, module)
 
-
-class Linear1D_Row(RowParallelLinear):  # noqa: N801 (ColossalAI's name)
+class Linear1D_Row(_FromNativeLinear, RowParallelLinear):  # noqa: N801 (ColossalAI's name)
     """Input features split over `process_group`; partial outputs summed. `parallel_input=False` splits a full
     input first."""
 
@@ -89,14 +92,6 @@ class Linear1D_Row(RowParallelLinear):  # noqa: N801 (ColossalAI's name)
         super().__init__(in_features, out_features, process_group, bias=bias, input_is_parallel=parallel_input,
                          device=device, dtype=dtype)
         self.sequence_dim = _sequence_dim("Linear1D_Row", seq_parallel_mode, seq_parallel_dim)
-
-    @classmethod
-    def from_native_module(cls, module: nn.Linear, process_group: Optional[ProcessGroup] = None,
-                           **kwargs: Any) -> "Linear1D_Row":
-        kwargs.pop("dtype", None)
-        layer = cls(module.in_features, module.out_features, bias=module.bias is not None, device="meta",
-                    dtype=module.weight.dtype, process_group=process_group, **kwargs)
-        return _load(layer, module)
 
 
 class VocabParallelEmbedding1D(VocabParallelEmbedding):

@@ -1,12 +1,15 @@
 """Schedule actions, whole schedules, and the communication a compute order implies.
 
 A schedule is, for every pipeline rank, a list of `Action`s run in order by one runtime (pipeline/runtime.py):
-compute (F forward, B full backward, I backward for the input only, W backward for the weights only) and
+compute (F forward, B full backward, I backward for the input only, W backward for the weights only),
 point-to-point transfers (SEND_F/RECV_F activations, SEND_B/RECV_B their gradients) of one microbatch through
-one virtual stage. Generators (pipeline/schedules.py) only order the compute; `add_communication` derives the
+one virtual stage, and REDUCE_GRAD, the data-parallel reduction of the rank's gradients (as torch's pipelining
+schedules have it). Generators (pipeline/schedules.py) only order the compute; `add_communication` derives the
 transfers: a send right after the compute that produced the tensor, and receives in the sender's order on each
 (sender, receiver) channel (transfers on a channel are matched first-in first-out), each as late as possible
-before the compute that needs it.
+before the compute that needs it; and a rank that computes gradients ends with REDUCE_GRAD. Its reduction is
+launched, bucket by bucket, during the rank's last gradient action (the B or W before it), overlapping that
+backward; REDUCE_GRAD waits for it, after the rank's last transfers.
 """
 from __future__ import annotations
 
@@ -26,10 +29,12 @@ class ActionKind(StrEnum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"  # their gradients back to the previous one
     RECV_B = "RECV_B"
+    REDUCE_GRAD = "REDUCE_GRAD"  # the rank's gradients final: their data-parallel reduction finished
 
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
 SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
+REDUCE_GRAD = ActionKind.REDUCE_GRAD
 COMPUTE = (F, B, I, W)
 COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
 
@@ -37,7 +42,8 @@ COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
 class Action(NamedTuple):
     """One step of a rank's schedule: `kind` of `microbatch` at virtual stage `stage`.
 
-    For SEND_F/SEND_B, `stage` is the sending virtual stage; for RECV_F/RECV_B the receiving one."""
+    For SEND_F/SEND_B, `stage` is the sending virtual stage; for RECV_F/RECV_B the receiving one; REDUCE_GRAD
+    carries the stage and microbatch of the gradient action that launched its reduction."""
     kind: ActionKind
     stage: int
     microbatch: int
@@ -114,5 +120,11 @@ def add_communication(compute: Sequence[Sequence[Action]], layout: StageLayout) 
                     out.extend(queue[position[channel]:upto])
                     position[channel] = upto
             out.append(action)
-        result.append(out)
+        result.append(out + _reduction(out))
     return result
+
+
+def _reduction(actions: Sequence[Action]) -> List[Action]:
+    """REDUCE_GRAD at the end of a rank that computes gradients, naming its last gradient action."""
+    last = [a for a in actions if a.kind in (B, W)]
+    return [Action(REDUCE_GRAD, last[-1].stage, last[-1].microbatch)] if last else []

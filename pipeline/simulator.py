@@ -4,15 +4,16 @@ Semantics are those of the runtime with the "p2p" transport: a send is posted an
 until the matching send was posted, and the sends of one (sender, receiver) channel are matched first-in
 first-out, so a receive that takes a message it did not ask for is an error. `simulate` raises `ScheduleError` when
 a dependency is violated (forward before its input, backward before its output gradient, W before I), a
-microbatch misses or repeats a computation, a transfer is unmatched, the ranks deadlock, or a rank keeps more
-activations alive than the schedule promises. It returns the timings under unit costs.
+microbatch misses or repeats a computation, a transfer is unmatched, the ranks deadlock, a rank that computes
+gradients does not end them with one REDUCE_GRAD, or a rank keeps more activations alive than the schedule
+promises. It returns the timings under unit costs.
 """
 from __future__ import annotations
 
 from collections import deque
 from typing import Callable, Deque, Dict, List, NamedTuple, NoReturn, Optional, Set, Tuple, Union
 
-from .actions import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule, peer_stage
+from .actions import B, F, I, RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, W, Action, Schedule, peer_stage
 
 _BI = "BI"  # the key of "B or I done" (what a SEND_B and the previous stage's backward wait for)
 
@@ -98,6 +99,9 @@ class _Run:
             return True
         if a.kind in (RECV_F, RECV_B):
             return self._receive(rank, a)
+        if a.kind == REDUCE_GRAD:
+            self._check_reduction(rank, a)
+            return True
         self._compute(rank, a)
         return True
 
@@ -139,6 +143,16 @@ class _Run:
             return self.done.get((I, a.stage, a.microbatch))
         return 0.0 if a.stage == self.last else self._input(rank, a, _BI, a.stage + 1, RECV_B)
 
+    def _check_reduction(self, rank: int, a: Action) -> None:
+        """REDUCE_GRAD: after the rank's last gradient action (the one it names), which launched the reduction."""
+        later = self.schedule.actions[rank][self.pc[rank] + 1:]
+        if any(b.kind in (B, I, W, REDUCE_GRAD) for b in later):
+            self.fail(rank, a, "gradient work follows the reduction of the rank's gradients")
+        if (a.kind, a.stage, a.microbatch) in self.done or \
+                not any(k in self.done for k in ((B, a.stage, a.microbatch), (W, a.stage, a.microbatch))):
+            self.fail(rank, a, "does not follow the gradient action it names")
+        self.done[(a.kind, a.stage, a.microbatch)] = self.clock[rank]
+
     def _input(self, rank: int, action: Action, kind: str, stage: int, recv: str) -> Optional[float]:
         """Finish time of the input a compute needs, made at `stage` by `kind` (locally) or received by `recv`."""
         if self.layout.rank_of(stage) == rank:
@@ -162,6 +176,10 @@ class _Run:
                 if self.training and not ((B, stage, mb) in self.done
                                           or {(I, stage, mb), (W, stage, mb)} <= self.done.keys()):
                     raise ScheduleError(f"microbatch {mb} misses its backward at virtual stage {stage}")
+        for rank, ranked in enumerate(actions):
+            if self.training and any(a.kind in (B, W) for a in ranked) and ranked[-1].kind != REDUCE_GRAD:
+                raise ScheduleError(f"rank {rank} computes gradients but does not end with REDUCE_GRAD (their "
+                                    f"data-parallel reduction): build action lists with add_communication")
         for rank, peak in enumerate(self.peak):
             if peak > self.schedule.max_activations[rank]:
                 raise ScheduleError(f"rank {rank} keeps {peak} activations alive, promised "

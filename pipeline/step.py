@@ -3,32 +3,41 @@
 Transfers go through the P2P layer (one at a time with the "p2p" transport, paired with the "broadcast" one); a
 forward of virtual stage s calls this rank's chunk `layout.chunk_of(s)` as `chunk(**micro_batch, **received)`; the
 last virtual stage applies `criterion(outputs, micro_batch)`. Results pass to the neighbouring virtual stage locally
-when this rank holds it, else through the SEND action that the schedule placed after the compute.
+when this rank holds it, else through the SEND action that the schedule placed after the compute. The gradient
+action named by the rank's REDUCE_GRAD launches the data-parallel reduction (the model's gradient hooks, bucket by
+bucket, overlapping that backward); REDUCE_GRAD waits for it.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from .actions import COMM, B, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind, Schedule, peer_stage
+from .actions import (COMM, REDUCE_GRAD, B, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind, Schedule,
+                      peer_stage)
 from .nested import detached, grad_pairs, handed_off, input_grads
 from .p2p import BACKWARD, FORWARD, PipelineP2PCommunication, Recv, Send
 from .split_backward import WeightGradStore, deferring
 from .stage_manager import PipelineStageManager
 
-__all__ = ["GradSync", "LossWeights", "StepOptions", "StepRun"]
+__all__ = ["GradReducer", "LossWeights", "StepOptions", "StepRun"]
 
 Chunk = Callable[..., Any]  # one model chunk of this rank: `chunk(**micro_batch, **received)` -> its output
 Span = Callable[[str, int], ContextManager[None]]  # (kind, microbatch) -> a traced span (pipeline/trace.py)
 _Key = Tuple[int, int]  # (virtual stage, microbatch)
 
 
-class GradSync(Protocol):
-    """The model's data-parallel gradient reduction switch (True: backward launches the reduction)."""
-    require_grad_sync: bool
+class GradReducer(Protocol):
+    """The model's data-parallel gradient reduction, as the schedule's actions drive it."""
+
+    def launching(self, launch: bool) -> ContextManager[None]:
+        """A gradient action during which the gradient hooks launch the reduction (`launch`) or hold it."""
+
+    def reduce_grad(self) -> None:
+        """REDUCE_GRAD: finish the reduction (`p.grad` final), unless the user accumulates (booster.no_sync)."""
 
 
 class LossWeights(NamedTuple):
@@ -46,14 +55,13 @@ class StepOptions(NamedTuple):
         loss_weights: None: every microbatch loss weighs 1/m.
         loss_backward: runs the last stage's backward of a (scaled) microbatch loss (e.g. the optimizer's, for loss
             scaling); None: `loss.backward()`.
-        grad_sync: the model's reduction switch: on only for this rank's last gradient action, the user's setting
-            (booster.no_sync) restored afterwards; None: left alone.
+        reducer: the model's data-parallel gradient reduction, run by the REDUCE_GRAD action; None: no reduction.
     """
     return_loss: bool = False
     return_outputs: bool = False
     loss_weights: Optional[LossWeights] = None
     loss_backward: Optional[Callable[[Tensor], None]] = None
-    grad_sync: Optional[GradSync] = None
+    reducer: Optional[GradReducer] = None
 
 
 class StepRun:
@@ -82,31 +90,28 @@ class StepRun:
         actions = schedule.actions[self.stage_manager.stage]
         self.split = frozenset(a for a in actions if a.kind == W)
         self.durations = {} if measure else None
-        # data-parallel reduction: launched by gradient hooks in the rank's last gradient action only, and never
-        # when the user accumulates gradients (booster.no_sync), whose setting is restored afterwards
-        sync = self.options.grad_sync
-        user_sync = sync.require_grad_sync if sync is not None else None
-        last_grad = max((k for k, a in enumerate(actions) if a.kind in (B, W)), default=-1)
+        reducer = self.options.reducer
+        launcher = _launcher(actions) if reducer is not None else None
         batch: List[Action] = []
-        try:
-            for k, action in enumerate(actions):
-                if action.kind in COMM:
-                    batch.append(action)
-                    if self.p2p.transport == "p2p":  # one transfer at a time; "broadcast" pairs them (1f1b)
-                        batch = self._communicate(batch)
-                    continue
-                batch = self._communicate(batch)
-                if sync is not None and action.kind in (B, I, W):
-                    sync.require_grad_sync = user_sync and k == last_grad
+        for action in actions:
+            if action.kind in COMM:
+                batch.append(action)
+                if self.p2p.transport == "p2p":  # one transfer at a time; "broadcast" pairs them (1f1b)
+                    batch = self._communicate(batch)
+                continue
+            batch = self._communicate(batch)
+            if action.kind == REDUCE_GRAD:
+                if reducer is not None:
+                    reducer.reduce_grad()
+                continue
+            with reducer.launching(action == launcher) if reducer is not None and action.kind in (B, I, W) \
+                    else contextlib.nullcontext():
                 if measure:
                     self._timed(action)
                 else:
                     self._compute(action)
-            self._communicate(batch)
-            self.p2p.flush()
-        finally:
-            if sync is not None:
-                sync.require_grad_sync = user_sync
+        self._communicate(batch)
+        self.p2p.flush()
 
     # -- transfers -----------------------------------------------------------------------------------------
     def _communicate(self, batch: List[Action]) -> List[Action]:
@@ -208,3 +213,12 @@ def _not_a_loss(value: Any) -> TypeError:
         ": reduce it in the criterion, e.g. with .mean()" if isinstance(value, Tensor) else ""
     return TypeError(f"criterion(outputs, micro_batch) must return the microbatch's loss as a scalar tensor; it "
                      f"returned {what}{hint}.")
+
+
+def _launcher(actions: Sequence[Action]) -> Optional[Action]:
+    """The gradient action whose backward launches the reduction: the one the rank's REDUCE_GRAD names."""
+    reduction = next((a for a in actions if a.kind == REDUCE_GRAD), None)
+    if reduction is None:
+        return None
+    return next(a for a in reversed(actions) if a.kind in (B, W) and a.stage == reduction.stage
+                and a.microbatch == reduction.microbatch)

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from pipeline.actions import B, F, I, RECV_F, SEND_F, W, Action, Schedule, add_communication
+from pipeline.actions import REDUCE_GRAD, B, F, I, RECV_F, SEND_F, W, Action, Schedule, add_communication
 from pipeline.layout import LOOP, V, StageLayout
 from pipeline.schedules import dual_pipe_v, forward_only, interleaved, one_f_one_b, zero_bubble_v
 from pipeline.styles import make_schedule
@@ -159,11 +159,16 @@ def test_simulator_catches_broken_schedules():
             return a
         simulate(_broken(good, 1, reorder))
     with pytest.raises(ScheduleError, match="misses its backward"):  # microbatch 3 never goes backward
-        simulate(_broken(_broken(good, 1, lambda a: a[:-2]), 0, lambda a: a[:-2]))
+        drop_last = lambda a: [x for x in a if x.kind != REDUCE_GRAD][:-2]  # noqa: E731
+        simulate(_broken(_broken(good, 1, drop_last), 0, drop_last))
     with pytest.raises(ScheduleError, match="promised"):
         simulate(good._replace(max_activations=[1, 1]))
     with pytest.raises(ScheduleError, match="computed twice"):
-        simulate(_broken(good, 1, lambda a: a + [Action(B, 1, 3)]))
+        simulate(_broken(good, 1, lambda a: a[:-1] + [Action(B, 1, 3)] + a[-1:]))
+    with pytest.raises(ScheduleError, match="does not end with REDUCE_GRAD"):  # gradients never reduced
+        simulate(_broken(good, 1, lambda a: a[:-1]))
+    with pytest.raises(ScheduleError, match="gradient work follows"):
+        simulate(_broken(good, 1, lambda a: a[:-3] + a[-1:] + a[-3:-1]))
 
 
 def test_receives_follow_the_senders_order():

@@ -60,8 +60,10 @@ class HybridParallelModule(nn.Module):
         self.zero_stage = zero_stage
         self.info = info
         self.shared_params = shared_params
-        # False while gradients accumulate (all but the last microbatch, booster.no_sync): no reduction launched
+        # the user's switch: False while gradients accumulate (booster.no_sync): no reduction launched
         self.require_grad_sync = True
+        # False during a pipeline's gradient actions other than the one that launches the reduction (launching)
+        self._launch = True
         # True from the end of the reduction (sync_grads) until the gradients are stepped or zeroed: `p.grad` then
         # holds the averaged gradients, final as after one process's backward
         self._grads_synced = False
@@ -160,9 +162,9 @@ class HybridParallelModule(nn.Module):
                 raise RuntimeError("A backward pass reached gradients whose data-parallel reduction is still running "
                                    "(a gradient produced after its bucket was launched). Let the backward that "
                                    "launched it end (its reduction finishes there), or call optimizer.zero_grad().")
-            if not module.require_grad_sync:
+            if not (module.require_grad_sync and module._launch):
                 return
-            if module.pp_group is None and not module._sync_queued:  # with a pipeline, execute_pipeline ends it
+            if module.pp_group is None and not module._sync_queued:  # with a pipeline, the schedule's REDUCE_GRAD ends it
                 module._sync_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(module._sync_after_backward)
             bucket.ready.add(index)
@@ -251,11 +253,26 @@ class HybridParallelModule(nn.Module):
         """Whether `p.grad` holds the final (averaged over dp, summed over sharing stages) gradients."""
         return self._grads_synced
 
+    @contextlib.contextmanager
+    def launching(self, launch: bool):
+        """A pipeline's gradient action (pipeline/step.py): its backward launches the reduction only if it is the
+        one the rank's REDUCE_GRAD names (and the user does not accumulate, booster.no_sync)."""
+        self._launch = launch
+        try:
+            yield
+        finally:
+            self._launch = True
+
+    def reduce_grad(self) -> None:
+        """The pipeline's REDUCE_GRAD: `p.grad` final when execute_pipeline returns, as in one process."""
+        if self.require_grad_sync:
+            self.sync_grads()
+
     @torch.no_grad()
     def sync_grads(self) -> None:
         """Average gradients over data parallel (buckets not launched during the backward pass are launched now,
         e.g. with unused parameters), then sum those of parameters shared by stages (tied embeddings). Runs at the
-        end of the step's backward (pp == 1: the engine's final callback; pp > 1: the end of execute_pipeline), or
+        end of the step's backward (pp == 1: the engine's final callback; pp > 1: the schedule's REDUCE_GRAD), or
         at optimizer.step() after backward passes that were all inside no_sync; a no-op once done."""
         if self._grads_synced or not (self._buckets or self.shared_params):  # (nothing to reduce: as one process)
             return

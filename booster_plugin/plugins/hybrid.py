@@ -306,11 +306,10 @@ class HybridParallelPlugin(HybridPluginBase):
                 microbatches = self.microbatching.split(batch, model.batch_limits.ragged)
             weights = self._loss_weights(microbatches) if self._loss_weights is not None else None
             options = StepOptions(return_loss, return_outputs, weights,
-                                  optimizer.backward if optimizer is not None else None, grad_sync=model)
+                                  optimizer.backward if optimizer is not None else None,
+                                  reducer=model if trains else None)
             result = self.schedule.forward_backward_step(chunk_calls(model, self.config.pipeline.num_model_chunks), microbatches,
                                                          criterion, options)
-            if trains and model.require_grad_sync:  # `p.grad` final on return, as in one process
-                model.sync_grads()
             outputs = model.full_outputs(result.outputs, result.loss) if result.outputs is not None else None
         return {"loss": result.loss, "outputs": outputs}
 

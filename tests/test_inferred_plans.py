@@ -110,9 +110,17 @@ def test_inferred_equals_declared_plan():
     assert (inferred.layers, inferred.entry, inferred.exit) == (declared.layers, declared.entry, declared.exit)
 
 
+# split_gather sequence parallelism too: BLOOM's attention reads the query length from its input (a tp region
+# gathers it), OPT flattens its MLP's input to [tokens, hidden]
+SPLIT_GATHER = ("bloom_lm", "falcon_lm", "falcon_new_lm", "opt_inferred_lm", "gptj_inferred_lm")
+
+
 def _train(kind):
     policy = infer_policy(mu.build(kind, 2)) if kind == "gptj_inferred_lm" else None  # (GPT-J declares plans)
     mu.check_training(kind, steps=1, layers=4, tp_size=2, pp_size=2, num_microbatches=2, custom_policy=policy)
+    if kind in SPLIT_GATHER:
+        mu.check_training(kind, steps=1, layers=4, tp_size=2, pp_size=2, num_microbatches=2, custom_policy=policy,
+                          enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
 
 
 @pytest.mark.parametrize("kind", list(BUILDERS))

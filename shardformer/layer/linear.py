@@ -23,7 +23,7 @@ from .comm import (gather_from_sequence, gather_from_tp, get_tp_rank, get_tp_wor
                    reduce_scatter_to_sequence, split_to_tp)
 from .conv1d import is_conv1d
 from .region import RegionInput
-from .sequence_shard import SequenceShard
+from .sequence_shard import SequenceShard, split_dim
 from .spec import UnshardedStateDict, TPSpec, get_tp_spec, set_tp_spec, shard_parameter, zero_padding
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -183,8 +183,9 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         if region is not None and region.shard is not None:  # the region gathered it once for all
             (shard, source), full = region.shard, x
         else:  # `x` is a sequence shard: gather it here
-            shard, source = x, SequenceShard(self.sequence_dim, self.tp_group)
-            full = gather_from_sequence(x, self.sequence_dim, self.tp_group)
+            dim = split_dim(x, self.sequence_dim)
+            shard, source = x, SequenceShard(dim, self.tp_group)
+            full = gather_from_sequence(x, dim, self.tp_group)
         source.readers += 1
         return _LinearOnGathered.apply(full, shard.detach(), self.weight, self.bias, source, self.is_conv1d)
 
@@ -274,7 +275,7 @@ class RowParallelLinear(UnshardedStateDict, nn.Module):
             x = split_to_tp(x, -1, self.tp_group)
         out = linear(x, self.weight, None, self.is_conv1d)
         if self.sequence_dim is not None and self.training:
-            out = reduce_scatter_to_sequence(out, self.sequence_dim, self.tp_group)
+            out = reduce_scatter_to_sequence(out, split_dim(out, self.sequence_dim), self.tp_group)
         else:
             out = reduce_from_tp(out, self.tp_group)
         return out if self.bias is None else out + self.bias

@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 
 from .comm import copy_to_tp, gather_from_sequence, get_tp_world_size
 from .deferred import Deferring, enter_deferring
-from .sequence_shard import SequenceShard
+from .sequence_shard import SequenceShard, split_dim
 
 __all__ = ["RegionInput", "ShardSource", "enter_region"]
 
@@ -67,5 +67,5 @@ def enter_region(x: Tensor, group: Optional[ProcessGroup], sequence_dim: Optiona
     `members`: the modules reading it."""
     if sequence_dim is None:
         return RegionInput(x, group, members=members)
-    return RegionInput(gather_from_sequence(x, sequence_dim, group), group,
-                       ShardSource(x, SequenceShard(sequence_dim, group)))
+    dim = split_dim(x, sequence_dim)
+    return RegionInput(gather_from_sequence(x, dim, group), group, ShardSource(x, SequenceShard(dim, group)))

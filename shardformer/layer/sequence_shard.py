@@ -7,7 +7,14 @@ from torch.distributed import ProcessGroup
 
 from .comm import all_gather_along
 
-__all__ = ["SequenceShard"]
+__all__ = ["SequenceShard", "split_dim"]
+
+
+def split_dim(x: Tensor, sequence_dim: int) -> int:
+    """The dimension `x`, a sequence shard, is split along: `sequence_dim` of [batch, sequence, ...] hidden states,
+    or 0 where the model flattened them to [tokens, hidden] (OPT's MLP): each rank's rows are then its own tokens,
+    gathered and reduce-scattered back in the same order."""
+    return sequence_dim if x.dim() > 2 else 0
 
 
 class SequenceShard:

@@ -20,6 +20,8 @@ class BloomPolicy(ProvenPolicy):
         "h.*.mlp.dense_4h_to_h": Rowwise(),
     }
     head_tp_plan = {"lm_head": VocabHead()}
+    # its attention reads the query length from its input: under split_gather it gathers the sequence at its entry
+    tp_input_regions = ("h.*.self_attention",)
     tp_attributes = {"h.*.self_attention": ("num_heads",)}    # it reshapes with num_heads
     tp_divisible = ("num_attention_heads",)
     # attention probabilities of split heads: per-rank masks (its output dropout acts on whole hidden states)

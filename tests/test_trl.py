@@ -1,26 +1,30 @@
 """TRL's SFTTrainer and DPOTrainer with HybridParallelTrainerMixin equal their one-process runs (the one-process batch
 holding every replica's rows): logged loss, grad norm and learning rate of every step and the trainable parameters at
 the end, 1e-5, fp32. SFTTrainer with completion-only loss on packed, padding-free rows (position_ids restarting per
-document) at tp=2 x pp=2 and ring attention over sp=2 x dp=2, LoRA through `peft_config` at tp=2 x dp=2 (ZeRO-1);
+document) at tp=2 x pp=2 and ring attention over sp=2 x dp=2, LoRA through `peft_config` with assistant-only loss
+(a chat template's generation marks) at tp=2 x dp=2 (ZeRO-1);
 DPOTrainer (policy and reference model on the plugin, chosen and rejected in one step) at tp=2 x dp=2 (ZeRO-1), and
 refused under pp."""
-import copy
 import os
 
 import pytest
 import torch
+import trl  # the test extra's (setup.py): a missing trl fails here rather than skipping
+from datasets import Dataset  # trl's own dependency
 
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 
-trl = pytest.importorskip("trl")  # a dependency of the test extra: installed wherever the suite runs
-from datasets import Dataset  # noqa: E402  (trl's own dependency)
+STEPS, ACCUMULATION, BATCH, MAX_LENGTH = 3, 2, 2, 16
 
-STEPS, ACCUMULATION, BATCH, MAX_LENGTH = 4, 2, 2, 16
+
+# a chat template marking the assistant's tokens (`{% generation %}`), for SFTConfig(assistant_only_loss=True)
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} <eos> "
+                 "{% endgeneration %}{% else %}{{ m['content'] }} {% endif %}{% endfor %}")
 
 
 def _tokenizer():
-    """A word-level tokenizer over the tiny models' vocabulary ("w3" is id 3), built offline."""
+    """A word-level tokenizer over the tiny models' vocabulary ("w3" is id 3) with a chat template, built offline."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -28,7 +32,7 @@ def _tokenizer():
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>")
+                                   bos_token="<bos>", chat_template=CHAT_TEMPLATE)
 
 
 def _words(g: torch.Generator, low: int, high: int) -> str:
@@ -39,6 +43,12 @@ def _words(g: torch.Generator, low: int, high: int) -> str:
 def _completions(rows: int, seed: int = 1) -> Dataset:
     g = torch.Generator().manual_seed(seed)
     return Dataset.from_list([{"prompt": _words(g, 2, 6), "completion": " " + _words(g, 2, 7)} for _ in range(rows)])
+
+
+def _conversations(rows: int, seed: int = 3) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    return Dataset.from_list([{"messages": [{"role": "user", "content": _words(g, 2, 6)},
+                                            {"role": "assistant", "content": _words(g, 2, 6)}]} for _ in range(rows)])
 
 
 def _preferences(rows: int, seed: int = 2) -> Dataset:
@@ -55,11 +65,11 @@ def _common(output_dir: str, batch: int) -> dict:
                 gradient_checkpointing=False, bf16=False)  # TRL defaults to both: the plugin has its own
 
 
-def _sft_config(output_dir: str, batch: int):
+def _sft_config(output_dir: str, batch: int, **overrides):
     # packed rows of at most MAX_LENGTH tokens, flattened per batch (padding-free) and padded to one length (pp
     # stacks a window's batches; ring attention needs a multiple of 2 x sp)
     return trl.SFTConfig(**_common(output_dir, batch), packing=True, max_length=MAX_LENGTH,
-                         pad_to_multiple_of=MAX_LENGTH * batch)
+                         pad_to_multiple_of=MAX_LENGTH * batch, **overrides)
 
 
 def _dpo_config(output_dir: str, batch: int):
@@ -92,12 +102,13 @@ class Run:
         model.load_state_dict(self.initial)
         return model
 
-    def trainer(self, output_dir: str, batch: int, trainer_class, **extra):
+    def trainer(self, output_dir: str, batch: int, trainer_class, loss_type: str = "nll", **extra):
         kwargs = dict(model=self.model(), processing_class=_tokenizer(), **extra)
-        if self.kind == "sft":
-            kwargs.update(args=_sft_config(output_dir, batch), train_dataset=_completions(64))
-            if self.lora:
-                kwargs["peft_config"] = _lora()
+        if self.kind == "sft" and not self.lora:  # completion-only loss (prompt-completion rows)
+            kwargs.update(args=_sft_config(output_dir, batch, loss_type=loss_type), train_dataset=_completions(64))
+        elif self.kind == "sft":  # assistant-only loss (conversations), LoRA adapters
+            kwargs.update(args=_sft_config(output_dir, batch, assistant_only_loss=True),
+                          train_dataset=_conversations(64), peft_config=_lora())
         else:
             kwargs.update(args=_dpo_config(output_dir, batch), train_dataset=_preferences(48),
                           ref_model=self.model())
@@ -111,8 +122,7 @@ class Run:
 
 
 def _check(run: Run, reference: dict, plugin_kwargs: dict, output_dir: str) -> None:
-    from booster_plugin import HybridParallelPlugin
-    from booster_plugin.trainer.trl import HybridParallelDPOTrainer, HybridParallelSFTTrainer
+    from booster_plugin import HybridParallelDPOTrainer, HybridParallelPlugin, HybridParallelSFTTrainer
 
     cls = HybridParallelSFTTrainer if run.kind == "sft" else HybridParallelDPOTrainer
     trainer = run.trainer(output_dir, BATCH, cls, plugin=HybridParallelPlugin(**plugin_kwargs))
@@ -132,7 +142,22 @@ def _check(run: Run, reference: dict, plugin_kwargs: dict, output_dir: str) -> N
             mu.assert_close(full, expected, f"{what}: {name} after {STEPS} steps")
 
 
+def _check_refusals(runs: dict, directory: str) -> None:
+    """Refused on every rank (before the plugin's first collective), naming the fix."""
+    from booster_plugin import HybridParallelPlugin, HybridParallelSFTTrainer, HybridParallelTrainerMixin
+
+    class DPO(HybridParallelTrainerMixin, trl.DPOTrainer):  # the mixin on TRL's own class
+        pass
+
+    with pytest.raises(ValueError, match="DPOTrainer under pp_size > 1.*use pp_size=1"):
+        runs["dpo"].trainer(directory, BATCH, DPO, plugin=HybridParallelPlugin(pp_size=2))
+    with pytest.raises(ValueError, match="use loss_type='nll'"):
+        runs["sft"].trainer(directory, BATCH, HybridParallelSFTTrainer, plugin=HybridParallelPlugin(pp_size=2),
+                            loss_type="dft")
+
+
 def _layouts(runs: dict, references: dict, directory: str) -> None:
+    _check_refusals(runs, os.path.join(directory, "refused"))
     _check(runs["sft"], references["sft", 1], dict(tp_size=2, pp_size=2), os.path.join(directory, "sft_tp2pp2"))
     _check(runs["sft"], references["sft", 2], dict(sp_size=2, enable_sequence_parallelism=True,
                                                    sequence_parallelism_mode="ring_attn"),
@@ -146,3 +171,4 @@ def test_trl_trainers_equal_one_process(tmp_path):
     references = {(name, replicas): runs[name].reference(str(tmp_path / f"ref_{name}{replicas}"), replicas)
                   for name, replicas in (("sft", 1), ("sft", 2), ("lora", 2), ("dpo", 2))}
     run_distributed(4, _layouts, runs, references, str(tmp_path))
+

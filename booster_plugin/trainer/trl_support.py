@@ -55,9 +55,12 @@ def trl_problems(trainer: Any) -> List[str]:
     """The TRL options the plugin does not run (refused with the mixin's others, on every rank)."""
     problems: List[str] = []
     pp = trainer.plugin.pp_size > 1
+    if is_trl_trainer(trainer) and trainer.aux_loss_enabled:
+        problems.append("TRL's router load-balancing loss (a MoE model with router_aux_loss_coef != 0): set "
+                        "router_aux_loss_coef=0.0 in the SFTConfig/DPOConfig")
     if is_trl(trainer, "SFTTrainer") and pp and not sft_loss_is_models_own(trainer):
-        problems.append("SFTTrainer with loss_type='dft', compute_loss_func, label_smoothing_factor, a router loss "
-                        "or a compute_loss override under pp_size > 1 (the pipeline takes the model's own nll loss): "
+        problems.append("SFTTrainer with loss_type='dft', compute_loss_func, label_smoothing_factor or a "
+                        "compute_loss override under pp_size > 1 (the pipeline takes the model's own nll loss): "
                         "use loss_type='nll' and no other loss, or pp_size=1")
     if not is_trl(trainer, "DPOTrainer"):
         return problems
@@ -136,8 +139,6 @@ class FusedHeadOnPlugin:
         if shift_labels is not None:
             raise ValueError("TRL's fused LM head with pre-shifted `shift_labels` (accelerate's context parallelism) "
                              "on the plugin: use the plugin's sp_size for sequence parallelism.")
-        if kwargs.get("output_router_logits"):
-            raise ValueError("TRL's router (load-balancing) loss on the plugin: set router_aux_loss_coef=0.0.")
         kwargs["use_cache"] = False
         out = self.boosted(*args, **kwargs)  # no labels: the full sequence's logits
         logits = _full_vocab_logits(self.boosted.unwrap(), out["logits"])[:, :-1]

@@ -18,6 +18,8 @@ Overrides (each of the installed Trainer, transformers 5.x), and why:
   stage for `compute_metrics` / `predict()`.
 - `gather_function` (a property: Trainer assigns it): evaluation results gathered over replicas, not processes.
 - `save_model` and the checkpoint hooks: the booster's collective save/load (checkpoint.py).
+- TRL's SFTTrainer / DPOTrainer: compute_loss gets the boosted model answering TRL's fused-LM-head calls, DPO's
+  reference model is boosted too, and TRL's options the plugin cannot run are refused (trl_support.py).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from .checkpoint import CheckpointHooks
 from .data import Replica, dataloader_params, replica_dataloader
 from .gather import gather_replicas, replica_representatives
 from .pipeline_step import AccumulationWindow, concat_batches, logits_on_every_stage, pipeline_loss
-from .trl_support import FusedHeadOnPlugin, attach, sft_loss_is_models_own, trl_problems
+from .trl_support import FusedHeadOnPlugin, attach, is_trl_trainer, trl_problems
 
 
 class HybridParallelTrainerMixin(CheckpointHooks):
@@ -76,7 +78,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
             problems.append("torch_compile=True (accelerate would compile the model it wraps; this one is not)")
         if args.fp16 or args.bf16:
             problems.append("fp16/bf16 training arguments: use HybridParallelPlugin(precision='bf16' or 'fp16')")
-        if self.plugin.pp_size > 1 and not sft_loss_is_models_own(self) and (
+        if self.plugin.pp_size > 1 and not is_trl_trainer(self) and (  # TRL's: trl_problems
                 self.compute_loss_func is not None or self.label_smoother is not None
                 or type(self).compute_loss is not Trainer.compute_loss):
             problems.append("compute_loss_func, label_smoothing_factor or a compute_loss override under "

@@ -102,15 +102,15 @@ class Run:
         model.load_state_dict(self.initial)
         return model
 
-    def trainer(self, output_dir: str, batch: int, trainer_class, loss_type: str = "nll", **extra):
+    def trainer(self, output_dir: str, batch: int, trainer_class, loss_type: str = "nll", rows: int = 64, **extra):
         kwargs = dict(model=self.model(), processing_class=_tokenizer(), **extra)
         if self.kind == "sft" and not self.lora:  # completion-only loss (prompt-completion rows)
-            kwargs.update(args=_sft_config(output_dir, batch, loss_type=loss_type), train_dataset=_completions(64))
+            kwargs.update(args=_sft_config(output_dir, batch, loss_type=loss_type), train_dataset=_completions(rows))
         elif self.kind == "sft":  # assistant-only loss (conversations), LoRA adapters
             kwargs.update(args=_sft_config(output_dir, batch, assistant_only_loss=True),
-                          train_dataset=_conversations(64), peft_config=_lora())
+                          train_dataset=_conversations(rows), peft_config=_lora())
         else:
-            kwargs.update(args=_dpo_config(output_dir, batch), train_dataset=_preferences(48),
+            kwargs.update(args=_dpo_config(output_dir, batch), train_dataset=_preferences(rows),
                           ref_model=self.model())
         return trainer_class(**kwargs)
 
@@ -150,10 +150,10 @@ def _check_refusals(runs: dict, directory: str) -> None:
         pass
 
     with pytest.raises(ValueError, match="DPOTrainer under pp_size > 1.*use pp_size=1"):
-        runs["dpo"].trainer(directory, BATCH, DPO, plugin=HybridParallelPlugin(pp_size=2))
+        runs["dpo"].trainer(directory, BATCH, DPO, rows=4, plugin=HybridParallelPlugin(pp_size=2))
     with pytest.raises(ValueError, match="use loss_type='nll'"):
-        runs["sft"].trainer(directory, BATCH, HybridParallelSFTTrainer, plugin=HybridParallelPlugin(pp_size=2),
-                            loss_type="dft")
+        runs["sft"].trainer(directory, BATCH, HybridParallelSFTTrainer, rows=4, loss_type="dft",
+                            plugin=HybridParallelPlugin(pp_size=2))
 
 
 def _layouts(runs: dict, references: dict, directory: str) -> None:

@@ -75,7 +75,8 @@ def trl_problems(trainer: Any) -> List[str]:
         problems.append("DPOTrainer without ref_model (a PEFT policy's disabled adapters): pass ref_model=... (a "
                         "copy of the initial model), which runs on the plugin's layout")
     if trainer.args.sync_ref_model:
-        problems.append("DPOConfig(sync_ref_model=True)")
+        problems.append("DPOConfig(sync_ref_model=True) (the reference model is boosted once, at start): set "
+                        "sync_ref_model=False")
     return problems
 
 

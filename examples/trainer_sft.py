@@ -75,7 +75,7 @@ def main() -> None:
         dataloader_drop_last=True, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
         assistant_only_loss=True, max_length=args.seq_len,
         pad_to_multiple_of=args.seq_len,  # every batch one length: pp stacks an accumulation window's batches
-        gradient_checkpointing=False, bf16=False)  # TRL's defaults; the plugin has gradient_checkpoint_config, precision
+        gradient_checkpointing=False, bf16=False)  # on in TRL's defaults: the plugin's own options instead
     trainer = HybridParallelSFTTrainer(model=model, args=training, train_dataset=train_set, eval_dataset=val_set,
                                        processing_class=tokenizer,
                                        plugin=HybridParallelPlugin(tp_size=tp, pp_size=pp, zero_stage=args.zero))

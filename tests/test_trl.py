@@ -2,9 +2,10 @@
 holding every replica's rows): logged loss, grad norm and learning rate of every step (and TRL's own metrics: entropy,
 token accuracy, token count, DPO's rewards, log-probabilities and mean logits, without pp) and the trainable
 parameters at the end, 1e-5, fp32. SFTTrainer with completion-only loss on packed, padding-free rows (position_ids
-restarting per document) at tp=2 x pp=2 and ring attention over sp=2 x dp=2, LoRA through `peft_config` with
-assistant-only loss (a chat template's generation marks) at tp=2 x dp=2 (ZeRO-1); DPOTrainer (policy and reference
-model on the plugin, chosen and rejected in one step) at tp=2 x dp=2 (ZeRO-1), and refused under pp."""
+restarting per document) at tp=2 x pp=2, Ulysses over sp=2 x pp=2 and ring attention over sp=2 x dp=2, LoRA through
+`peft_config` with assistant-only loss (a chat template's generation marks) at tp=2 x dp=2 (ZeRO-1); DPOTrainer
+(policy and reference model on the plugin, chosen and rejected in one step) at tp=2 x dp=2 (ZeRO-1), and refused
+under pp."""
 import os
 
 import pytest
@@ -163,6 +164,9 @@ def _check_refusals(runs: dict, directory: str) -> None:
 def _layouts(runs: dict, references: dict, directory: str) -> None:
     _check_refusals(runs, os.path.join(directory, "refused"))
     _check(runs["sft"], references["sft", 1], dict(tp_size=2, pp_size=2), os.path.join(directory, "sft_tp2pp2"))
+    _check(runs["sft"], references["sft", 1], dict(sp_size=2, pp_size=2, enable_sequence_parallelism=True,
+                                                   sequence_parallelism_mode="all_to_all"),
+           os.path.join(directory, "sft_ulysses2pp2"))
     _check(runs["sft"], references["sft", 2], dict(sp_size=2, enable_sequence_parallelism=True,
                                                    sequence_parallelism_mode="ring_attn"),
            os.path.join(directory, "sft_ring2dp2"))

@@ -120,7 +120,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         return self.model_wrapped
 
-    def _loss_model(self, model: nn.Module):
+    def _loss_model(self, model: nn.Module) -> Callable[..., Any]:
         """What compute_loss calls: the boosted model (answering TRL's fused-head calls for TRL's trainers)."""
         return model if self._fused_head is None else self._fused_head
 

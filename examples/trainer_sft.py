@@ -1,8 +1,10 @@
-"""Supervised fine-tuning with Hugging Face's Trainer on tensor x pipeline x data parallel (HybridParallelTrainer).
+"""Supervised fine-tuning of a tiny chat model with TRL's SFTTrainer on tensor x pipeline x data parallel
+(HybridParallelSFTTrainer: the mixin before TRL's SFTTrainer).
 
-A small Llama learns to answer "Explain Python's `for`." with the reference documentation of that topic (Python's
-own pydoc topics, offline); the loss counts the answer's tokens only (prompt and padding labels are -100), so
-Trainer's token-weighted loss over the accumulation window and the replicas matters.
+A small Llama learns to answer the user's "Explain Python's `for`." with the reference documentation of that topic
+(Python's own pydoc topics, offline), in a chat template whose assistant turns are marked (`{% generation %}`):
+SFTTrainer's assistant-only loss counts the answer's tokens only, so Trainer's token-weighted loss over the
+accumulation window and the replicas matters.
 
     torchrun --nproc_per_node=4 examples/trainer_sft.py                  # tp=2 x pp=2
     torchrun --nproc_per_node=2 examples/trainer_sft.py --tp 1 --pp 2    # pp=2
@@ -14,35 +16,25 @@ import os
 import torch
 import torch.distributed as dist
 import transformers
+from datasets import Dataset
 from pydoc_data.topics import topics
-from torch.utils.data import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM
+from trl import SFTConfig
 
-from booster_plugin import HybridParallelPlugin, HybridParallelTrainer, world_group
+from booster_plugin import HybridParallelPlugin, HybridParallelSFTTrainer, world_group
 from common import default_layout, generate_from_checkpoint, init_distributed, log
-from data import shared_tokenizer, unwrap_lines
+from data import EOS, shared_tokenizer, unwrap_lines
+
+# the user's turn, then the assistant's, marked for SFTConfig(assistant_only_loss=True)
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}\n{% else %}{% generation %}"
+                 "{{ m['content'] }}" + EOS + "{% endgeneration %}{% endif %}{% endfor %}")
 
 
-class QuestionAnswers(Dataset):
-    """`Explain Python's `topic`.` -> the topic's documentation, padded to `seq_len`; labels on the answer only."""
-
-    def __init__(self, tokenizer, names, seq_len: int) -> None:
-        self.rows = []
-        for name in names:
-            prompt = tokenizer(f"Explain Python's `{name}`.\n")["input_ids"]
-            answer = tokenizer(unwrap_lines(topics[name]))["input_ids"] + [tokenizer.eos_token_id]
-            ids = (prompt + answer)[:seq_len]
-            labels = [-100] * len(prompt) + answer
-            pad = seq_len - len(ids)
-            self.rows.append({"input_ids": torch.tensor(ids + [tokenizer.pad_token_id] * pad),
-                              "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
-                              "labels": torch.tensor(labels[:seq_len] + [-100] * pad)})
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int):
-        return self.rows[i]
+def conversations(names) -> Dataset:
+    """One conversation per topic: "Explain Python's `topic`." -> the topic's documentation."""
+    return Dataset.from_list([{"messages": [{"role": "user", "content": f"Explain Python's `{name}`."},
+                                            {"role": "assistant", "content": unwrap_lines(topics[name])}]}
+                              for name in names])
 
 
 def parse() -> argparse.Namespace:
@@ -68,21 +60,25 @@ def main() -> None:
     tp, pp = (args.tp or 1, args.pp or 1) if args.tp or args.pp else default_layout(dist.get_world_size())
     names = sorted(topics)
     tokenizer = shared_tokenizer([unwrap_lines(topics[n]) for n in names])
-    train_set = QuestionAnswers(tokenizer, [n for i, n in enumerate(names) if i % 10], args.seq_len)
-    val_set = QuestionAnswers(tokenizer, [n for i, n in enumerate(names) if i % 10 == 0], args.seq_len)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    train_set = conversations([n for i, n in enumerate(names) if i % 10])
+    val_set = conversations([n for i, n in enumerate(names) if i % 10 == 0])
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
-    training = TrainingArguments(
+    training = SFTConfig(
         args.out, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.accumulation, max_steps=args.steps, learning_rate=2e-3, warmup_steps=5,
         weight_decay=0.01, max_grad_norm=1.0, logging_steps=10, save_strategy="no", report_to="none",
-        dataloader_drop_last=True, use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
-    trainer = HybridParallelTrainer(model=model, args=training, train_dataset=train_set, eval_dataset=val_set,
-                                    processing_class=tokenizer,
-                                    plugin=HybridParallelPlugin(tp_size=tp, pp_size=pp, zero_stage=args.zero))
+        dataloader_drop_last=True, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+        assistant_only_loss=True, max_length=args.seq_len,
+        pad_to_multiple_of=args.seq_len,  # every batch one length: pp stacks an accumulation window's batches
+        gradient_checkpointing=False, bf16=False)  # on in TRL's defaults: the plugin's own options instead
+    trainer = HybridParallelSFTTrainer(model=model, args=training, train_dataset=train_set, eval_dataset=val_set,
+                                       processing_class=tokenizer,
+                                       plugin=HybridParallelPlugin(tp_size=tp, pp_size=pp, zero_stage=args.zero))
     log(f"tp={tp} pp={pp} dp={trainer.plugin.dp_size}: {len(train_set)} questions, validation {len(val_set)}")
     log(f"validation loss before: {trainer.evaluate()['eval_loss']:.4f}")
     trainer.train()
@@ -90,7 +86,7 @@ def main() -> None:
     final = os.path.join(args.out, "final")
     trainer.save_model(final)  # a Hugging Face folder with the tokenizer: plain transformers loads it
     dist.barrier(group=world_group())
-    generate_from_checkpoint(final, "Explain Python's `for`.\n")
+    generate_from_checkpoint(final, "Explain Python's `for`.\n")  # the chat template's user turn
     dist.barrier(group=world_group())
     dist.destroy_process_group()
 

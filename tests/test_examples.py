@@ -32,7 +32,8 @@ def test_train_gpt2_example_runs_with_pipeline_parallel(tmp_path):
 
 
 def test_trainer_sft_example_runs(tmp_path):
-    """examples/trainer_sft.py: HybridParallelTrainer at pp=2, evaluate, save_model, plain transformers reloads."""
+    """examples/trainer_sft.py: TRL's SFTTrainer (HybridParallelSFTTrainer) at pp=2, evaluate, save_model, plain
+    transformers reloads."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            str(ROOT / "examples" / "trainer_sft.py"), "--steps", "4", "--out", str(tmp_path / "sft")]

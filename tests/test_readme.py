@@ -70,8 +70,14 @@ def _t5_setup():
                 batch=mu.make_batch("t5_lm", 8, 0))
 
 
+def _trl_setup():
+    from tests.test_trl import _tokenizer  # a word-level tokenizer over the tiny vocabulary ("w3" is id 3)
+
+    return dict(model=mu.build("llama_packed_lm"), tokenizer=_tokenizer())
+
+
 SETUPS = {"gpt2": _gpt2_setup, "opt": _opt_setup, "boosted": _boosted_setup, "llama": _llama_setup,
-          "t5": _t5_setup, "moe": _moe_setup, "none": dict}
+          "t5": _t5_setup, "moe": _moe_setup, "trl": _trl_setup, "none": dict}
 
 
 def _run_blocks(blocks, workdir: str) -> None:

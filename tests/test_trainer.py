@@ -180,5 +180,6 @@ def test_import_is_lazy():
     import subprocess
     code = ("import sys, booster_plugin; assert 'transformers.trainer' not in sys.modules, 'eager'; "
             "assert 'accelerate' not in sys.modules, 'eager'; "
-            "from booster_plugin import HybridParallelTrainer; assert 'transformers.trainer' in sys.modules")
+            "from booster_plugin import HybridParallelTrainer; assert 'transformers.trainer' in sys.modules; "
+            "assert 'trl' not in sys.modules, 'TRL imported by the Trainer integration'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -18,6 +18,8 @@ Overrides (each of the installed Trainer, transformers 5.x), and why:
   stage for `compute_metrics` / `predict()`.
 - `gather_function` (a property: Trainer assigns it): evaluation results gathered over replicas, not processes.
 - `save_model` and the checkpoint hooks: the booster's collective save/load (checkpoint.py).
+- TRL's SFTTrainer / DPOTrainer: compute_loss gets the boosted model answering TRL's fused-LM-head calls, DPO's
+  reference model is boosted too, and TRL's options the plugin cannot run are refused (trl_support.py).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from .checkpoint import CheckpointHooks
 from .data import Replica, dataloader_params, replica_dataloader
 from .gather import gather_replicas, replica_representatives
 from .pipeline_step import AccumulationWindow, concat_batches, logits_on_every_stage, pipeline_loss
+from .trl_support import FusedHeadOnPlugin, attach, is_trl_trainer, trl_problems
 
 
 class HybridParallelTrainerMixin(CheckpointHooks):
@@ -53,6 +56,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         self._boost()
+        self._fused_head: Optional[FusedHeadOnPlugin] = attach(self)  # TRL's trainers (trl_support.py)
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def _refuse_unsupported(self) -> None:
@@ -74,8 +78,9 @@ class HybridParallelTrainerMixin(CheckpointHooks):
             problems.append("torch_compile=True (accelerate would compile the model it wraps; this one is not)")
         if args.fp16 or args.bf16:
             problems.append("fp16/bf16 training arguments: use HybridParallelPlugin(precision='bf16' or 'fp16')")
-        if self.plugin.pp_size > 1 and (self.compute_loss_func is not None or self.label_smoother is not None
-                                        or type(self).compute_loss is not Trainer.compute_loss):
+        if self.plugin.pp_size > 1 and not is_trl_trainer(self) and (  # TRL's: trl_problems
+                self.compute_loss_func is not None or self.label_smoother is not None
+                or type(self).compute_loss is not Trainer.compute_loss):
             problems.append("compute_loss_func, label_smoothing_factor or a compute_loss override under "
                             "pp_size > 1 (the pipeline uses the model's own loss)")
         if self.plugin.pp_size > 1 and self.plugin.config.pipeline.loss_weight_fn is not None:
@@ -84,6 +89,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         if self.plugin.max_norm > 0 and args.max_grad_norm > 0 and self.plugin.max_norm != args.max_grad_norm:
             problems.append(f"HybridParallelPlugin(max_norm={self.plugin.max_norm}) and TrainingArguments("
                             f"max_grad_norm={args.max_grad_norm}) differ: set one of them")
+        problems += trl_problems(self)
         if problems:
             raise ValueError("HybridParallelTrainer does not support: " + "; ".join(problems) + ".")
 
@@ -113,6 +119,10 @@ class HybridParallelTrainerMixin(CheckpointHooks):
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         return self.model_wrapped
+
+    def _loss_model(self, model: nn.Module) -> Callable[..., Any]:
+        """What compute_loss calls: the boosted model (answering TRL's fused-head calls for TRL's trainers)."""
+        return model if self._fused_head is None else self._fused_head
 
     def get_tp_size(self) -> int:
         """Ranks that hold the same batches (world / dp: tp x pp x sp). Trainer uses it for exactly that: it
@@ -174,7 +184,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            loss = self.compute_loss(self._loss_model(model), inputs, num_items_in_batch=num_items_in_batch)
         scaled = self.loss_is_scaled_for_ga
         if scaled is None:  # as Trainer.training_step decides
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
@@ -206,7 +216,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
     def prediction_step(self, model: nn.Module, inputs: Dict[str, Any], prediction_loss_only: bool,
                         ignore_keys=None):
         if self.plugin.pp_size == 1:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            return super().prediction_step(self._loss_model(model), inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
         num_items = self._get_num_items_in_batch([inputs], self.args.device)
         with torch.no_grad():

@@ -17,9 +17,9 @@ from torch.distributed import ProcessGroup
 from .layer.conv1d import conv1d_class
 from .layer.embedding import VocabParallelEmbedding
 from .layer.linear import ColumnParallelLinear, RowParallelLinear
-from .layer.replicated import sum_grad_over_tp
-from .layer.spec import get_tp_spec, zero_padding
-from .lazy_sources import DEVICE_TAG, EXPERT_ROWS, WeightSources, detach_sources, sources_of, tensor_names
+from .layer.replicated import grad_summed_over, sum_grad_over_tp
+from .layer.spec import copy_tp_spec, get_tp_spec, zero_padding
+from .lazy_sources import copy_tensor_marks, expert_rows_of, WeightSources, detach_sources, sources_of, tensor_names
 
 __all__ = ["materialize"]
 
@@ -72,7 +72,7 @@ def _fill(sources: WeightSources, targets: Sequence[Tuple[str, torch.Tensor]], g
     rank = dist.get_rank(group) if group is not None else 0
     world = dist.get_world_size(group) if group is not None else 1
     for name, t in sorted(targets, key=lambda target: -target[1].numel()):
-        sources.fill(name, t.data, get_tp_spec(t), rank, world, getattr(t, EXPERT_ROWS, None))
+        sources.fill(name, t.data, get_tp_spec(t), rank, world, expert_rows_of(t))
 
 
 def _allocated(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -81,9 +81,10 @@ def _allocated(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not isinstance(t, nn.Parameter):
         return data
     new = nn.Parameter(data, requires_grad=t.requires_grad)
-    skip = ("_is_hf_initialized", "_grad_summed_over", DEVICE_TAG)
-    new.__dict__.update({k: v for k, v in t.__dict__.items() if k not in skip})
-    for summed_over in getattr(t, "_grad_summed_over", ()):  # its gradient hooks stay with `t`
+    new.__dict__.update({k: v for k, v in t.__dict__.items() if k != "_is_hf_initialized"})
+    copy_tp_spec(t, new)
+    copy_tensor_marks(t, new)
+    for summed_over in grad_summed_over(t):  # its gradient hooks stay with `t`
         sum_grad_over_tp(new, summed_over)
     return new
 

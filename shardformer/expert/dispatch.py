@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from ..lazy_sources import EXPERT_ROWS
+from ..lazy_sources import set_expert_rows
+from ..layer.spec import copy_tp_spec
 
 __all__ = ["ExpertTraffic", "TRAFFIC", "expert_parameters", "split_experts_over_ep"]
 
@@ -72,9 +73,8 @@ def split_experts_over_ep(module: nn.Module, group: ProcessGroup, num_experts: i
     names = []
     for name, p in expert_parameters(module, num_experts):
         kept = nn.Parameter(p.detach().narrow(0, rank * local, local).clone(), requires_grad=p.requires_grad)
-        if hasattr(p, "_tp_spec"):  # split over tp on another dimension as well
-            kept._tp_spec = p._tp_spec
-        setattr(kept, EXPERT_ROWS, (rank * local, local))  # (lazy init: which experts to materialize)
+        copy_tp_spec(p, kept)  # split over tp on another dimension as well, if at all
+        set_expert_rows(kept, (rank * local, local))  # (lazy init: which experts to materialize)
         setattr(module, name, kept)
         names.append(name)
     module.num_experts = local

@@ -22,7 +22,7 @@ from pipeline.split_backward import linear, linear_param_grads, stored_linear
 from .comm import (gather_from_sequence, gather_from_tp, get_tp_rank, get_tp_world_size, reduce_from_tp,
                    reduce_scatter_to_sequence, split_to_tp)
 from .conv1d import is_conv1d
-from .region import RegionInput
+from .region import RegionInput, join_region, region_input_of, set_region_input
 from .sequence_shard import SequenceShard
 from .spec import UnshardedStateDict, TPSpec, get_tp_spec, set_tp_spec, shard_parameter, zero_padding
 
@@ -111,11 +111,10 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         self.gather_output_in_eval = False
         self.is_conv1d = is_conv1d
         self.n_fused = n_fused
-        # the enclosing module's input (a region.RegionInput, set by the sharder's region hooks while the module
-        # runs): sibling projections (q, k, v; gate, up) that read exactly it share one entry into the tp region, so
-        # their summed input gradient is all-reduced (or, with sequence parallelism, reduce-scattered) once, not once
-        # each; any other input enters here
-        self.region_input = None
+        # a region member (layer/region.py): sibling projections (q, k, v; gate, up) that read exactly the
+        # enclosing module's input share one entry into the tp region, so their summed input gradient is all-reduced
+        # (or, with sequence parallelism, reduce-scattered) once, not once each; any other input enters here
+        join_region(self)
         # split_gather sequence parallelism: the sequence dimension of the input (None: off)
         self.sequence_dim: int | None = None
         # compute the weight gradient while the input gradient is summed over tp (layer/deferred.py)
@@ -131,6 +130,15 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
             set_tp_spec(self.bias, TPSpec(0, n_fused, full_size, pad_to, group=tp_group))
         if self.weight.device.type != "meta":  # meta: parameters are replaced right after
             self.reset_parameters()
+
+    @property
+    def region_input(self) -> RegionInput | None:
+        """The enclosing region's input while the sharder's region hooks run it (region.region_input_of)."""
+        return region_input_of(self)
+
+    @region_input.setter
+    def region_input(self, region: RegionInput | None) -> None:
+        set_region_input(self, region)
 
     @property
     def output_start(self) -> int:

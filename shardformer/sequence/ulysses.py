@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_map_only
 
+from ..config_view import see_config_while_running
 from ..layer.comm import all_to_all
 
 __all__ = ["SEQUENCE_DIM", "OwnAttention", "ShardPositionEmbeddings", "layers_config", "use_ulysses_attention", "point_layers_at", "own_attention"]
@@ -91,9 +92,9 @@ _OVERRIDES: "weakref.WeakKeyDictionary[nn.Module, OwnAttention]" = weakref.WeakK
 def point_layers_at(model: nn.Module, layers: Sequence[nn.Module], name: str, function: Any, mode: str,
                     make_spec: Callable[[str, Any], OwnAttention], cut_tables: Any) -> None:
     """Register `function` as attention implementation `name` and point the layers' modules that read the model's
-    config at a view naming it (the model's own config, and so its masks, unchanged); each such module gets
-    `make_spec(its implementation, its modeling file's eager function)` in the override registry (`_OVERRIDES`,
-    keyed by module: nothing is set on transformers' modules but the config view they read), and each layer the
+    config at a view naming it while they run (config_view.py; the model's own config, and so its masks, unchanged);
+    each such module gets `make_spec(its implementation, its modeling file's eager function)` in the override
+    registry (`_OVERRIDES`, keyed by module: nothing stays set on transformers' modules), and each layer the
     forward pre-hook `cut_tables` (the rotary tables cut to the rank's part of the sequence)."""
     from transformers import AttentionInterface
 
@@ -115,7 +116,7 @@ def point_layers_at(model: nn.Module, layers: Sequence[nn.Module], name: str, fu
                 raise NotImplementedError(f"sequence_parallelism_mode={mode!r} wraps the model's attention "
                                           f"function, but {type(module).__name__} with attn_implementation='eager' "
                                           f"has none to wrap; load the model with attn_implementation='sdpa'.")
-            module.config = view
+            see_config_while_running(module, view)
             _OVERRIDES[module] = make_spec(implementation, eager)
 
 

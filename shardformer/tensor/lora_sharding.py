@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 from ..layer.comm import get_tp_rank, get_tp_world_size
 from ..layer.dropout import wrap_module_forward_in_local_rng, wrap_module_forward_in_shared_rng
 from ..layer.linear import ColumnParallelLinear, RowParallelLinear
-from ..layer.region import enter_region
+from ..layer.region import enter_region, region_input_of, set_region_input
 from ..layer.replicated import sum_grads_over_tp
 from ..layer.spec import TPSpec, shard_parameter
 from .styles import Colwise, GradAllReduce, OwnHeads, Rowwise
@@ -141,7 +141,7 @@ def shard_lora_layer(layer: nn.Module, style, group: Optional[ProcessGroup], rng
 
 class _CopyInputOnce:
     """Forward hooks of a LoRA layer on a column-parallel base: base and lora_A read the same entered input. The
-    sharder's region hook may have made it (`base.region_input`, layer/region.py); otherwise the layer enters the
+    sharder's region hook may have made it (`region_input_of(base)`, layer/region.py); otherwise the layer enters the
     tp region here (a copy, or with split_gather the gathered sequence), and the base's previous region input is
     restored after the layer's forward."""
 
@@ -154,10 +154,11 @@ class _CopyInputOnce:
     def pre(self, layer: nn.Module, args, kwargs):
         base = layer.base_layer
         x = args[0] if args else kwargs["x"]
-        region = base.region_input
+        region = region_input_of(base)
         if region is None or not region.holds(x):
             self.previous = region
-            region = base.region_input = enter_region(x, self.group, base.sequence_dim if base.training else None)
+            region = enter_region(x, self.group, base.sequence_dim if base.training else None)
+            set_region_input(base, region)
         entered = region.copied()
         if args:
             return (entered, *args[1:]), kwargs
@@ -165,4 +166,5 @@ class _CopyInputOnce:
 
     def post(self, layer: nn.Module, args, output) -> None:
         if self.previous is not self._UNSET:
-            layer.base_layer.region_input, self.previous = self.previous, self._UNSET
+            set_region_input(layer.base_layer, self.previous)
+            self.previous = self._UNSET

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..layer.linear import ColumnParallelLinear
-from ..layer.region import enter_region
+from ..layer.region import enter_region, is_region_member, set_region_input
 from ..paths import match
 
 if TYPE_CHECKING:  # the plan's type only: plans import this room's vocabulary, not the reverse
@@ -34,7 +34,7 @@ def enter_tp_regions_once(model: nn.Module, policy: Policy, group: ProcessGroup,
         rel = path[len(prefix):] if path.startswith(prefix) else None
         if rel is None or not any(match(p, rel) for p in policy.tp_input_regions):
             continue
-        members = [m for m in region.modules() if isinstance(m, ColumnParallelLinear) or hasattr(m, "region_input")]
+        members = [m for m in region.modules() if isinstance(m, ColumnParallelLinear) or is_region_member(m)]
         if members:
             region.register_forward_pre_hook(_RegionEntry(members, group, sequence_dim), with_kwargs=True)
             region.register_forward_hook(_RegionExit(members))
@@ -52,7 +52,7 @@ class _RegionEntry:
         x = args[0] if args else kwargs[key]
         region = enter_region(x, self.group, self.sequence_dim if module.training else None, self.members)
         for member in self.members:
-            member.region_input = region
+            set_region_input(member, region)
         if region.shard is None:
             return None
         if args:
@@ -68,4 +68,4 @@ class _RegionExit:
 
     def __call__(self, module, args, output):
         for member in self.members:
-            member.region_input = None
+            set_region_input(member, None)

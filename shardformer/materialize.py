@@ -10,9 +10,9 @@ import contextlib
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup
+
+from pipeline.context import Axis
 
 from .layer.conv1d import conv1d_class
 from .layer.embedding import VocabParallelEmbedding
@@ -25,14 +25,14 @@ __all__ = ["materialize"]
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device, group: Optional[ProcessGroup], stage: int, init: bool = True) -> int:
+def materialize(model: nn.Module, device, tp: Axis, stage: int, init: bool = True) -> int:
     """Allocate the meta parameters and buffers `model` still holds (after sharding) on `device`.
 
     Tensors the model's `WeightSources` hold are filled from them (this rank's slice of the checkpoint tensor, or of
     eager init's), and the sources are dropped. With `init`, the other new tensors are initialized with the model's
     own `_init_weights` (HF's scheme; tensor-parallel layers through a native-class view of their shard, vocab
-    padding zeroed; buffers such as rotary `inv_freq` recomputed), drawn per pipeline `stage` and rank of the tp
-    `group` (not eager init's draws): replicated parameters differ between tp ranks here, and the plugin's
+    padding zeroed; buffers such as rotary `inv_freq` recomputed), drawn per pipeline `stage` and rank of the `tp`
+    axis (not eager init's draws): replicated parameters differ between tp ranks here, and the plugin's
     `sync_params` then broadcasts them over tp (and everything over dp). Non-meta tensors are left untouched. Returns
     the number of bytes allocated; 0 when nothing was on meta.
     """
@@ -60,17 +60,16 @@ def materialize(model: nn.Module, device, group: Optional[ProcessGroup], stage: 
     loaded = {id(t) for _, t in from_checkpoint}
     fresh = {id(t) for t in new_of.values() if id(t) not in loaded}
     if init and fresh:
-        _init_materialized(model, fresh, device, group, stage)
+        _init_materialized(model, fresh, device, tp, stage)
     if from_checkpoint:
-        _fill(sources, from_checkpoint, group)
+        _fill(sources, from_checkpoint, tp)
     return sum(t.numel() * t.element_size() for t in new_of.values())
 
 
-def _fill(sources: WeightSources, targets: Sequence[Tuple[str, torch.Tensor]], group: Optional[ProcessGroup]) -> None:
+def _fill(sources: WeightSources, targets: Sequence[Tuple[str, torch.Tensor]], tp: Axis) -> None:
     """This rank's shard of each source tensor, filled into its new tensor (vocab padding zeroed); the largest
     first (a source may hold a full tensor meanwhile: largest while little of the shard is written)."""
-    rank = dist.get_rank(group) if group is not None else 0
-    world = dist.get_world_size(group) if group is not None else 1
+    rank, world = tp.rank, tp.size
     for name, t in sorted(targets, key=lambda target: -target[1].numel()):
         sources.fill(name, t.data, get_tp_spec(t), rank, world, expert_rows_of(t))
 
@@ -89,7 +88,7 @@ def _allocated(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return new
 
 
-def _init_materialized(model: nn.Module, materialized: Set[int], device: torch.device, group: Optional[ProcessGroup],
+def _init_materialized(model: nn.Module, materialized: Set[int], device: torch.device, tp: Axis,
                        stage: int) -> None:
     """HF's per-module init (children before parents, like `initialize_weights`) on the new tensors only."""
     try:
@@ -104,7 +103,7 @@ def _init_materialized(model: nn.Module, materialized: Set[int], device: torch.d
                     }.values())  # once each: a tied weight sits in two modules
     for t in flagged:
         t._is_hf_initialized = True
-    tp_rank = dist.get_rank(group) if group is not None else 0
+    tp_rank = tp.rank
     # distinct draws per stage and tp rank (identical shards would make tp halves of a layer symmetric)
     seed = (torch.initial_seed() + 1_000_003 * stage + 7_919 * tp_rank) % (2 ** 63)
     devices = [device] if device.type not in ("cpu", "meta") else []
@@ -116,7 +115,7 @@ def _init_materialized(model: nn.Module, materialized: Set[int], device: torch.d
     finally:
         for t in flagged:
             del t._is_hf_initialized
-    tp_world = dist.get_world_size(group) if group is not None else 1
+    tp_world = tp.size
     for p in model.parameters():  # vocab padding rows are zero, as sharding makes them
         if id(p) in materialized and get_tp_spec(p) is not None:
             zero_padding(p.data, get_tp_spec(p), tp_rank, tp_world)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 
+from pipeline.context import Axis
 from shardformer.lazy_sources import lazy_device_of, set_lazy_device
 from shardformer.layer.tensor_registry import unregistered
 from shardformer.materialize import materialize as materialize_shard
@@ -142,7 +143,7 @@ def _materialize_in_place(module: nn.Module, device: torch.device) -> None:
     ColossalAI's in-place materialization): the new tensors' contents are swapped into the meta ones."""
     slots = [(store, key, t) for m in module.modules() for store in (m._parameters, m._buffers)
              for key, t in store.items() if t is not None and t.is_meta]
-    materialize_shard(module, device, None, 0)
+    materialize_shard(module, device, Axis.alone("tp"), 0)
     swapped = set()
     for store, key, old in slots:
         if id(old) not in swapped:

@@ -13,7 +13,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .comm import copy_to_tp, get_tp_rank, get_tp_world_size, start_sum
+from pipeline.context import Axis
+
+from .comm import copy_to_tp, get_tp_world_size, start_sum
 from .region import join_region, region_input_of
 from .tensor_registry import tensor_registry
 
@@ -59,10 +61,10 @@ def _narrow(start: int, size: int, tail: int, module: nn.Module, args, out: Tens
     return torch.cat([own, out.narrow(-1, out.shape[-1] - tail, tail)], dim=-1) if tail else own
 
 
-def keep_own_heads(module: nn.Module, num_heads: int, group: ProcessGroup | None, tail: int = 0) -> None:
+def keep_own_heads(module: nn.Module, num_heads: int, tp: Axis, tail: int = 0) -> None:
     """`module`'s output holds `num_heads` equal heads, then `tail` features every rank uses whole: rank r of the
-    group keeps its num_heads / tp heads (with fewer heads than ranks, head r // (tp / num_heads)) and the tail."""
-    world, rank = get_tp_world_size(group), get_tp_rank(group)
+    tp axis keeps its num_heads / tp heads (with fewer heads than ranks, head r // (tp / num_heads)) and the tail."""
+    world, rank, group = tp.size, tp.rank, tp.group
     if world % num_heads and num_heads % world:
         raise ValueError(f"tp_size={world} neither divides nor is a multiple of the {num_heads} heads of {module}: "
                          f"use a tp size that does.")

@@ -20,7 +20,8 @@ from typing import Callable, Optional
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..layer.comm import get_tp_rank, get_tp_world_size
+from pipeline.context import Axis
+
 from ..layer.dropout import wrap_module_forward_in_local_rng, wrap_module_forward_in_shared_rng
 from ..layer.linear import ColumnParallelLinear, RowParallelLinear
 from ..layer.region import enter_region, region_input_of, set_region_input
@@ -108,14 +109,14 @@ def _check_lora_layer(path: str, layer: nn.Module, style) -> None:
                                 f"LoRA on Linear/Conv1D layers). {fix}")
 
 
-def shard_lora_layer(layer: nn.Module, style, group: Optional[ProcessGroup], rng_tracker=None) -> None:
-    """Shard a peft LoRA layer in place: its base layer by `style` (Colwise / Rowwise, as the plan says for the
-    module it wraps) and every adapter consistently with it (see the module docstring)."""
-    rank, world = get_tp_rank(group), get_tp_world_size(group)
+def shard_lora_layer(layer: nn.Module, style, tp: Axis, rng_tracker=None) -> None:
+    """Shard a peft LoRA layer in place over the `tp` axis: its base layer by `style` (Colwise / Rowwise, as the plan
+    says for the module it wraps) and every adapter consistently with it (see the module docstring)."""
+    rank, world, group = tp.rank, tp.size, tp.group
     base = layer.get_base_layer()
     split_input = False
     if isinstance(style, Colwise):
-        layer.base_layer = ColumnParallelLinear.from_native_module(base, group, n_fused=style.n_fused)
+        layer.base_layer = ColumnParallelLinear.from_native_module(base, tp, n_fused=style.n_fused)
         spec = TPSpec(0, style.n_fused, group=group)  # nn.Linear (out, in): lora_B's output split like the base's
         for name in layer.lora_A:
             sum_grads_over_tp(layer.lora_A[name], group)
@@ -129,9 +130,9 @@ def shard_lora_layer(layer: nn.Module, style, group: Optional[ProcessGroup], rng
         layer.register_forward_hook(hooks.post)
     else:
         split_input = not style.split_input
-        layer.base_layer = RowParallelLinear.from_native_module(base, group, input_is_parallel=split_input)
+        layer.base_layer = RowParallelLinear.from_native_module(base, tp, input_is_parallel=split_input)
         for name in layer.lora_A:
-            layer.lora_A[name] = RowParallelLinear.from_native_module(layer.lora_A[name], group,
+            layer.lora_A[name] = RowParallelLinear.from_native_module(layer.lora_A[name], tp,
                                                                       input_is_parallel=split_input)
     if rng_tracker is not None:
         wrap = wrap_module_forward_in_local_rng if split_input else wrap_module_forward_in_shared_rng

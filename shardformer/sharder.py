@@ -104,7 +104,7 @@ class Sharder:
         apply_styles(TPContext(self.model, cfg.tp, cfg.make_vocab_size_divisible_by, cfg.parallel_output,
                                cfg.rng_tracker), self._style_of)
         self._retie(result.tied)
-        enter_tp_regions_once(self.model, self.policy, cfg.tp.group,
+        enter_tp_regions_once(self.model, self.policy, cfg.tp,
                               SEQUENCE_DIM if cfg.sp_mode == "split_gather" else None)
         self._change_attributes()
         self._use_tracker_rng()
@@ -114,13 +114,13 @@ class Sharder:
         (which must see the kept experts only)."""
         if self.shard_config.ep_size > 1:
             result.expert_params = shard_experts(self.model, self._plan_style,
-                                                 self.shard_config.ep.group)
+                                                 self.shard_config.ep)
 
     def _sequence_parallel(self, result: ShardResult) -> None:
         seq = self.shard_config.sequence
         if seq is not None:
             result.sequence_head = apply_sequence_parallelism(
-                self.model, self.policy, result.span, seq.mode, seq.group, own_group=seq.own_group,
+                self.model, self.policy, result.span, seq.mode, seq.axis, own_group=seq.own_group,
                 parallel_output=self.shard_config.parallel_output)
 
     def _chunked_loss(self, result: ShardResult) -> None:

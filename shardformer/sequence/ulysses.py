@@ -13,6 +13,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_map_only
 
+from pipeline.context import Axis
+
 from ..config_view import see_config_while_running
 from ..layer.comm import all_to_all
 
@@ -70,13 +72,12 @@ class ShardPositionEmbeddings:
         return table.narrow(SEQUENCE_DIM, self.rank * chunk, chunk)
 
 
-def use_ulysses_attention(model: nn.Module, layers: Sequence[nn.Module], group: ProcessGroup, world: int,
-                          rank: int) -> None:
+def use_ulysses_attention(model: nn.Module, layers: Sequence[nn.Module], seq: Axis) -> None:
     """Point the layers' modules at a config view whose attention implementation is the Ulysses wrapper (the
     model's own config, and so its masks, are unchanged) and cut the rotary tables per layer."""
     point_layers_at(model, layers, ULYSSES, _ulysses_attention, "all_to_all",
-                    lambda implementation, eager: _Ulysses(group, implementation, eager),
-                    ShardPositionEmbeddings(world, rank))
+                    lambda implementation, eager: _Ulysses(seq.group, implementation, eager),
+                    ShardPositionEmbeddings(seq.size, seq.rank))
 
 
 class OwnAttention(Protocol):

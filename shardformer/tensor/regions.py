@@ -10,6 +10,8 @@ from typing import List, Optional, TYPE_CHECKING
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from pipeline.context import Axis
+
 from ..layer.linear import ColumnParallelLinear
 from ..layer.region import enter_region, is_region_member, set_region_input
 from ..paths import match
@@ -20,13 +22,13 @@ if TYPE_CHECKING:  # the plan's type only: plans import this room's vocabulary, 
 __all__ = ["enter_tp_regions_once"]
 
 
-def enter_tp_regions_once(model: nn.Module, policy: Policy, group: ProcessGroup, sequence_dim: Optional[int]) -> None:
+def enter_tp_regions_once(model: nn.Module, policy: Policy, tp: Axis, sequence_dim: Optional[int]) -> None:
     """Hook the policy's `tp_input_regions` (base-relative patterns) that hold split-input modules.
 
     Args:
         model: the sharded model.
         policy: its policy.
-        group: the tp group.
+        tp: the tp axis.
         sequence_dim: the sequence dimension with split_gather sequence parallelism, else None.
     """
     prefix = policy.base_prefix
@@ -36,7 +38,7 @@ def enter_tp_regions_once(model: nn.Module, policy: Policy, group: ProcessGroup,
             continue
         members = [m for m in region.modules() if isinstance(m, ColumnParallelLinear) or is_region_member(m)]
         if members:
-            region.register_forward_pre_hook(_RegionEntry(members, group, sequence_dim), with_kwargs=True)
+            region.register_forward_pre_hook(_RegionEntry(members, tp.group, sequence_dim), with_kwargs=True)
             region.register_forward_hook(_RegionExit(members))
 
 

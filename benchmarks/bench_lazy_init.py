@@ -97,7 +97,7 @@ def _worker(rank: int, world: int, port: int, stages, config: dict, pp: int, con
         t_build = time.perf_counter() - t0
         full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # what configure() does up to materialization, with the plugin's own groups
-        shard_config = ShardConfig(tensor_parallel_process_group=plugin.tp_group,
+        shard_config = ShardConfig(tp=plugin.ctx.tp,
                                    pipeline_stage_manager=plugin.stage_manager,
                                    make_vocab_size_divisible_by=plugin.make_vocab_size_divisible_by)
         sharder = Sharder(model, get_autopolicy(model), shard_config)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Dict, Optional, Sequence, Tuple
 
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .mesh import ProcessGroupMesh
@@ -49,12 +50,32 @@ AXES: Dict[str, Tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Axis:
-    """One named axis of the mesh, seen from this rank."""
+    """One named axis of the mesh, seen from this rank: what a parallel layer is split over.
+
+    `ParallelContext.build` makes the job's axes; `Axis.of_group` makes one from a group the caller holds (the
+    ColossalAI mirror's layers); `Axis.alone` is one process alone (a layer that splits nothing)."""
     name: str
-    dims: Tuple[int, ...]  # the mesh dimensions it spans (indices into the mesh's shape)
-    group: ProcessGroup    # this rank's group along the axis (a one-rank group when size == 1)
+    dims: Tuple[int, ...]  # the mesh dimensions it spans (indices into the mesh's shape; () outside a mesh)
+    group: Optional[ProcessGroup]  # this rank's group along the axis (a one-rank group when size == 1; None only
+                                   # for `Axis.alone`, along which no collective is ever issued)
     size: int
     rank: int              # this rank's coordinate along the axis
+
+    def __deepcopy__(self, memo: dict) -> "Axis":
+        return self  # frozen, and its group is a process-wide handle: a copied layer is split over the same axis
+
+    @classmethod
+    def of_group(cls, name: str, group: ProcessGroup) -> "Axis":
+        """The axis along `group` (its size, this rank's place in it), outside any mesh."""
+        if not isinstance(group, ProcessGroup):
+            raise TypeError(f"Axis.of_group({name!r}, ...) takes a ProcessGroup, got {type(group).__name__}; for one "
+                            f"process alone use Axis.alone({name!r}).")
+        return cls(name, (), group, dist.get_world_size(group), dist.get_rank(group))
+
+    @classmethod
+    def alone(cls, name: str) -> "Axis":
+        """One process alone along `name`: size 1, no group (nothing is split along it, nothing exchanged)."""
+        return cls(name, (), None, 1, 0)
 
     @property
     def index(self) -> int:

@@ -12,16 +12,43 @@ from __future__ import annotations
 import weakref
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
+import torch
 from torch import Tensor, nn
 
 from .layer.spec import TPSpec
+from .layer.tensor_registry import tensor_registry
 
-__all__ = ["WeightSources", "attach_sources", "sources_of", "detach_sources", "tensor_names", "DEVICE_TAG",
-           "EXPERT_ROWS"]
+__all__ = ["WeightSources", "attach_sources", "sources_of", "detach_sources", "tensor_names", "set_lazy_device",
+           "lazy_device_of", "set_expert_rows", "expert_rows_of", "copy_tensor_marks"]
 
-DEVICE_TAG = "_lazy_device"  # on a meta tensor: the device LazyInitContext(default_device=...) materializes it on
-# on stacked expert weights split over expert parallelism: (first expert, count) of the full tensor's dim 0 it holds
-EXPERT_ROWS = "_lazy_expert_rows"
+# registries keyed by tensor (layer/tensor_registry.py: nothing is written onto torch's tensors):
+# a meta tensor -> the device LazyInitContext(default_device=...) materializes it on
+_LAZY_DEVICE = tensor_registry()
+# stacked expert weights split over expert parallelism -> (first expert, count) of the full tensor's dim 0 they hold
+_EXPERT_ROWS = tensor_registry()
+
+
+def set_lazy_device(t: Tensor, device: torch.device) -> None:
+    _LAZY_DEVICE[t] = device
+
+
+def lazy_device_of(t: Tensor) -> Optional[torch.device]:
+    return _LAZY_DEVICE.get(t)
+
+
+def set_expert_rows(t: Tensor, rows: Tuple[int, int]) -> None:
+    _EXPERT_ROWS[t] = rows
+
+
+def expert_rows_of(t: Tensor) -> Optional[Tuple[int, int]]:
+    return _EXPERT_ROWS.get(t)
+
+
+def copy_tensor_marks(src: Tensor, dst: Tensor) -> None:
+    """Give `dst` (allocated for the meta tensor `src`) the expert rows recorded for `src` (its lazy device is spent)."""
+    rows = expert_rows_of(src)
+    if rows is not None:
+        set_expert_rows(dst, rows)
 
 
 class WeightSources(Protocol):

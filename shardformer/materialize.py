@@ -10,29 +10,29 @@ import contextlib
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup
+
+from pipeline.context import Axis
 
 from .layer.conv1d import conv1d_class
 from .layer.embedding import VocabParallelEmbedding
 from .layer.linear import ColumnParallelLinear, RowParallelLinear
-from .layer.replicated import sum_grad_over_tp
-from .layer.spec import get_tp_spec, zero_padding
-from .lazy_sources import DEVICE_TAG, EXPERT_ROWS, WeightSources, detach_sources, sources_of, tensor_names
+from .layer.replicated import grad_summed_over, sum_grad_over_tp
+from .layer.spec import copy_tp_spec, get_tp_spec, zero_padding
+from .lazy_sources import copy_tensor_marks, expert_rows_of, WeightSources, detach_sources, sources_of, tensor_names
 
 __all__ = ["materialize"]
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device, group: Optional[ProcessGroup], stage: int, init: bool = True) -> int:
+def materialize(model: nn.Module, device, tp: Axis, stage: int, init: bool = True) -> int:
     """Allocate the meta parameters and buffers `model` still holds (after sharding) on `device`.
 
     Tensors the model's `WeightSources` hold are filled from them (this rank's slice of the checkpoint tensor, or of
     eager init's), and the sources are dropped. With `init`, the other new tensors are initialized with the model's
     own `_init_weights` (HF's scheme; tensor-parallel layers through a native-class view of their shard, vocab
-    padding zeroed; buffers such as rotary `inv_freq` recomputed), drawn per pipeline `stage` and rank of the tp
-    `group` (not eager init's draws): replicated parameters differ between tp ranks here, and the plugin's
+    padding zeroed; buffers such as rotary `inv_freq` recomputed), drawn per pipeline `stage` and rank of the `tp`
+    axis (not eager init's draws): replicated parameters differ between tp ranks here, and the plugin's
     `sync_params` then broadcasts them over tp (and everything over dp). Non-meta tensors are left untouched. Returns
     the number of bytes allocated; 0 when nothing was on meta.
     """
@@ -60,19 +60,18 @@ def materialize(model: nn.Module, device, group: Optional[ProcessGroup], stage: 
     loaded = {id(t) for _, t in from_checkpoint}
     fresh = {id(t) for t in new_of.values() if id(t) not in loaded}
     if init and fresh:
-        _init_materialized(model, fresh, device, group, stage)
+        _init_materialized(model, fresh, device, tp, stage)
     if from_checkpoint:
-        _fill(sources, from_checkpoint, group)
+        _fill(sources, from_checkpoint, tp)
     return sum(t.numel() * t.element_size() for t in new_of.values())
 
 
-def _fill(sources: WeightSources, targets: Sequence[Tuple[str, torch.Tensor]], group: Optional[ProcessGroup]) -> None:
+def _fill(sources: WeightSources, targets: Sequence[Tuple[str, torch.Tensor]], tp: Axis) -> None:
     """This rank's shard of each source tensor, filled into its new tensor (vocab padding zeroed); the largest
     first (a source may hold a full tensor meanwhile: largest while little of the shard is written)."""
-    rank = dist.get_rank(group) if group is not None else 0
-    world = dist.get_world_size(group) if group is not None else 1
+    rank, world = tp.rank, tp.size
     for name, t in sorted(targets, key=lambda target: -target[1].numel()):
-        sources.fill(name, t.data, get_tp_spec(t), rank, world, getattr(t, EXPERT_ROWS, None))
+        sources.fill(name, t.data, get_tp_spec(t), rank, world, expert_rows_of(t))
 
 
 def _allocated(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -81,14 +80,15 @@ def _allocated(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not isinstance(t, nn.Parameter):
         return data
     new = nn.Parameter(data, requires_grad=t.requires_grad)
-    skip = ("_is_hf_initialized", "_grad_summed_over", DEVICE_TAG)
-    new.__dict__.update({k: v for k, v in t.__dict__.items() if k not in skip})
-    for summed_over in getattr(t, "_grad_summed_over", ()):  # its gradient hooks stay with `t`
+    new.__dict__.update({k: v for k, v in t.__dict__.items() if k != "_is_hf_initialized"})
+    copy_tp_spec(t, new)
+    copy_tensor_marks(t, new)
+    for summed_over in grad_summed_over(t):  # its gradient hooks stay with `t`
         sum_grad_over_tp(new, summed_over)
     return new
 
 
-def _init_materialized(model: nn.Module, materialized: Set[int], device: torch.device, group: Optional[ProcessGroup],
+def _init_materialized(model: nn.Module, materialized: Set[int], device: torch.device, tp: Axis,
                        stage: int) -> None:
     """HF's per-module init (children before parents, like `initialize_weights`) on the new tensors only."""
     try:
@@ -103,7 +103,7 @@ def _init_materialized(model: nn.Module, materialized: Set[int], device: torch.d
                     }.values())  # once each: a tied weight sits in two modules
     for t in flagged:
         t._is_hf_initialized = True
-    tp_rank = dist.get_rank(group) if group is not None else 0
+    tp_rank = tp.rank
     # distinct draws per stage and tp rank (identical shards would make tp halves of a layer symmetric)
     seed = (torch.initial_seed() + 1_000_003 * stage + 7_919 * tp_rank) % (2 ** 63)
     devices = [device] if device.type not in ("cpu", "meta") else []
@@ -115,7 +115,7 @@ def _init_materialized(model: nn.Module, materialized: Set[int], device: torch.d
     finally:
         for t in flagged:
             del t._is_hf_initialized
-    tp_world = dist.get_world_size(group) if group is not None else 1
+    tp_world = tp.size
     for p in model.parameters():  # vocab padding rows are zero, as sharding makes them
         if id(p) in materialized and get_tp_spec(p) is not None:
             zero_padding(p.data, get_tp_spec(p), tp_rank, tp_world)

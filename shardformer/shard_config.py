@@ -1,11 +1,14 @@
-"""How to shard: the groups, the pipeline stage manager, the sequence split and the options the Sharder applies."""
+"""How to shard: the axes the model is split over (tp, ep; the sequence split), the pipeline stage manager and the
+options the Sharder applies. The layout itself is the ParallelContext's (pipeline/context.py): this holds its axes,
+and ColossalAI's names for the groups (`tensor_parallel_process_group`, ...) are read-only views of them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch.distributed as dist
 
+from pipeline.context import Axis
 from pipeline.stage_manager import PipelineStageManager
 
 from .layer.dropout import TPRNGTracker
@@ -14,30 +17,49 @@ __all__ = ["SequenceSplit", "ShardConfig"]
 
 
 class SequenceSplit(NamedTuple):
-    """Sequence parallelism as the layout resolved it (once, in the parallel context): the mode and the ranks."""
+    """Sequence parallelism as the layout resolved it (once, in the parallel context: `ctx.seq`): the mode and the
+    axis the sequence is split over."""
     mode: str                # "split_gather", "all_to_all" or "ring_attn" (sequence/parallel.py)
-    group: dist.ProcessGroup  # the ranks the sequence is split over
-    size: int
+    axis: Axis               # the ranks the sequence is split over (ctx.seq)
     own_group: bool          # a group of its own (sp_size ranks), not the tp group
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.axis.group
+
+    @property
+    def size(self) -> int:
+        return self.axis.size
 
 
 @dataclass(frozen=True)
 class ShardConfig:
-    """How to shard: the tp group (None = no TP), the pipeline stage manager (None = no PP), TP options, the
-    sequence split (None = no sequence parallelism; see sequence/parallel.py), the ep group that splits
-    mixture-of-experts experts over ranks (expert/sharding.py), and `chunked_loss`: a causal-LM loss in training
-    computed chunk by chunk without the full logits (chunked_loss.py), `loss_chunk_size` tokens at a time (None:
-    chosen from the shapes). ColossalAI's names for the sequence split (`enable_sequence_parallelism`,
-    `sequence_parallelism_mode`, `sequence_parallel_process_group`) are read-only views of `sequence`."""
-    tensor_parallel_process_group: Optional[dist.ProcessGroup] = None
+    """How to shard: the tp axis (size 1: no TP), the pipeline stage manager (None = no PP), TP options, the
+    sequence split (None = no sequence parallelism; see sequence/parallel.py), the ep axis that splits
+    mixture-of-experts experts over ranks (size 1: not split; expert/sharding.py), and `chunked_loss`: a causal-LM
+    loss in training computed chunk by chunk without the full logits (chunked_loss.py), `loss_chunk_size` tokens at
+    a time (None: chosen from the shapes). ColossalAI's names (`tensor_parallel_process_group`,
+    `expert_parallel_process_group`, `enable_sequence_parallelism`, `sequence_parallelism_mode`,
+    `sequence_parallel_process_group`) are read-only views of the axes and of `sequence`."""
+    tp: Axis = field(default_factory=lambda: Axis.alone("tp"))
     pipeline_stage_manager: Optional[PipelineStageManager] = None
     parallel_output: bool = True
     make_vocab_size_divisible_by: int = 64
     rng_tracker: Optional[TPRNGTracker] = None
-    expert_parallel_process_group: Optional[dist.ProcessGroup] = None  # None: experts not split over ranks
+    ep: Axis = field(default_factory=lambda: Axis.alone("ep"))
     sequence: Optional[SequenceSplit] = None
     chunked_loss: bool = True
     loss_chunk_size: Optional[int] = None
+
+    @property
+    def tensor_parallel_process_group(self) -> Optional[dist.ProcessGroup]:
+        """The tp group where tp splits anything (ColossalAI's name), else None."""
+        return self.tp.active
+
+    @property
+    def expert_parallel_process_group(self) -> Optional[dist.ProcessGroup]:
+        """The ep group where experts are split over ranks, else None."""
+        return self.ep.active
 
     @property
     def enable_sequence_parallelism(self) -> bool:
@@ -60,15 +82,12 @@ class ShardConfig:
     @property
     def sequence_parallel_size(self) -> int:
         """Ranks the sequence is split over (ColossalAI's name; 1 without sequence parallelism)."""
-        group = self.sp_group
-        return 1 if group is None else dist.get_world_size(group)
+        return 1 if self.sequence is None else self.sequence.size
 
     @property
     def ep_size(self) -> int:
-        group = self.expert_parallel_process_group
-        return 1 if group is None else dist.get_world_size(group)
+        return self.ep.size
 
     @property
     def tp_size(self) -> int:
-        group = self.tensor_parallel_process_group
-        return 1 if group is None else dist.get_world_size(group)
+        return self.tp.size

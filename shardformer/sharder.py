@@ -101,10 +101,10 @@ class Sharder:
         cfg = self.shard_config
         if cfg.tp_size == 1:
             return
-        apply_styles(TPContext(self.model, cfg.tensor_parallel_process_group, cfg.tp_size,
-                               cfg.make_vocab_size_divisible_by, cfg.parallel_output, cfg.rng_tracker), self._style_of)
+        apply_styles(TPContext(self.model, cfg.tp, cfg.make_vocab_size_divisible_by, cfg.parallel_output,
+                               cfg.rng_tracker), self._style_of)
         self._retie(result.tied)
-        enter_tp_regions_once(self.model, self.policy, cfg.tensor_parallel_process_group,
+        enter_tp_regions_once(self.model, self.policy, cfg.tp,
                               SEQUENCE_DIM if cfg.sp_mode == "split_gather" else None)
         self._change_attributes()
         self._use_tracker_rng()
@@ -114,13 +114,13 @@ class Sharder:
         (which must see the kept experts only)."""
         if self.shard_config.ep_size > 1:
             result.expert_params = shard_experts(self.model, self._plan_style,
-                                                 self.shard_config.expert_parallel_process_group)
+                                                 self.shard_config.ep)
 
     def _sequence_parallel(self, result: ShardResult) -> None:
         seq = self.shard_config.sequence
         if seq is not None:
             result.sequence_head = apply_sequence_parallelism(
-                self.model, self.policy, result.span, seq.mode, seq.group, own_group=seq.own_group,
+                self.model, self.policy, result.span, seq.mode, seq.axis, own_group=seq.own_group,
                 parallel_output=self.shard_config.parallel_output)
 
     def _chunked_loss(self, result: ShardResult) -> None:
@@ -134,7 +134,7 @@ class Sharder:
         """Allocate the meta parameters and buffers this rank still holds (after sharding) on `device`, initialized
         with `init` (see materialize.py); the number of bytes allocated."""
         sm = self.shard_config.pipeline_stage_manager
-        return materialize(self.model, device, self.shard_config.tensor_parallel_process_group,
+        return materialize(self.model, device, self.shard_config.tp,
                            sm.stage if sm is not None else 0, init)
 
     # -- tensor parallel ---------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, GPT2LMHeadM
 
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.checkpoint import format as ckpt_format
+from shardformer.layer.spec import get_tp_spec
 from booster_plugin.checkpoint import jobs as ckpt_jobs
 from booster_plugin.compat.checkpoint_io import CheckpointError
 from tests import model_utils as mu
@@ -171,7 +172,7 @@ def _lazy_init(saved):
             assert p.device.type == "cpu" and torch.isfinite(p).all(), name
             parts = [torch.empty_like(p) for _ in range(tp)]
             dist.all_gather(parts, p.data.contiguous(), group=plugin.tp_group)
-            spec = getattr(p, "_tp_spec", None)
+            spec = get_tp_spec(p)
             if spec is None:
                 assert all(torch.equal(parts[0], q) for q in parts), f"lazy init: replicated {name} differs over tp"
             elif p.dim() == 2:

@@ -13,6 +13,7 @@ from torch.testing import assert_close
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.pytorch_utils import Conv1D
 
+from pipeline.context import Axis
 from shardformer.layer import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -36,6 +37,10 @@ from tests.dist_utils import run_distributed
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 LOSS_TOL = dict(atol=1e-6, rtol=1e-6)
+
+
+def _tp(group) -> Axis:
+    return Axis.of_group("tp", group if group is not None else dist.group.WORLD)
 
 
 def _rw(group) -> tuple[int, int]:
@@ -101,7 +106,7 @@ def case_column_linear(group) -> None:
             ref = nn.Linear(10, 24, bias=bias)
             x = torch.randn(3, 5, 10, requires_grad=True)
             g = torch.randn(3, 5, 24)
-            par = ColumnParallelLinear.from_native_module(ref, group, gather_output=gather)
+            par = ColumnParallelLinear.from_native_module(ref, _tp(group), gather_output=gather)
             _check_gathered_weights(par, ref, group)
             xp = _leaf(x)
             y_ref, y = ref(x), par(xp)
@@ -121,7 +126,7 @@ def case_column_conv1d(group) -> None:
     ref = Conv1D(24, 10)  # nf=out, nx=in
     x = torch.randn(2, 6, 10, requires_grad=True)
     g = torch.randn(2, 6, 24)
-    par = ColumnParallelLinear.from_native_module(ref, group, gather_output=True)
+    par = ColumnParallelLinear.from_native_module(ref, _tp(group), gather_output=True)
     assert par.is_conv1d and get_tp_spec(par.weight).dim == 1 and par.weight.shape == (10, 24 // _rw(group)[1])
     _check_gathered_weights(par, ref, group)
     xp = _leaf(x)
@@ -142,7 +147,7 @@ def case_fused_c_attn(group) -> None:
         ref = Conv1D(3 * hidden, hidden)
         x = torch.randn(2, 5, hidden, requires_grad=True)
         g = torch.randn(2, 5, 3 * hidden)
-        par = ColumnParallelLinear.from_native_module(ref, group, gather_output=gather, n_fused=3)
+        par = ColumnParallelLinear.from_native_module(ref, _tp(group), gather_output=gather, n_fused=3)
         _check_gathered_weights(par, ref, group)
         xp = _leaf(x)
         y_ref, y = ref(x), par(xp)
@@ -168,7 +173,7 @@ def case_row(group) -> None:
             ref = make_ref()
             x = torch.randn(4, 3, 24, requires_grad=True)
             g = torch.randn(4, 3, 10)
-            par = RowParallelLinear.from_native_module(ref, group, input_is_parallel=input_is_parallel)
+            par = RowParallelLinear.from_native_module(ref, _tp(group), input_is_parallel=input_is_parallel)
             assert get_tp_spec(par.bias) is None
             _check_gathered_weights(par, ref, group)
             xp = _leaf(_chunk(x, group) if input_is_parallel else x)
@@ -193,8 +198,8 @@ def case_mlp(group) -> None:
     for fc, proj in ((lambda: nn.Linear(10, 32), lambda: nn.Linear(32, 10)), (lambda: Conv1D(32, 10), lambda: Conv1D(10, 32))):
         torch.manual_seed(4)
         ref = _MLP(fc(), proj())
-        par = _MLP(ColumnParallelLinear.from_native_module(ref.fc, group),
-                   RowParallelLinear.from_native_module(ref.proj, group))
+        par = _MLP(ColumnParallelLinear.from_native_module(ref.fc, _tp(group)),
+                   RowParallelLinear.from_native_module(ref.proj, _tp(group)))
         x = torch.randn(3, 7, 10, requires_grad=True)
         g = torch.randn(3, 7, 10)
         xp = _leaf(x)
@@ -240,9 +245,9 @@ def case_deferred_weight_grads(group) -> None:
             torch.manual_seed(5)
             ref = _GatedMLP(make(10, 16), make(10, 16), make(16, 10))
             ref.gate.weight.requires_grad_(not frozen)
-            par = _GatedMLP(ColumnParallelLinear.from_native_module(ref.gate, group),
-                            ColumnParallelLinear.from_native_module(ref.up, group),
-                            RowParallelLinear.from_native_module(ref.down, group), group, sharded=True)
+            par = _GatedMLP(ColumnParallelLinear.from_native_module(ref.gate, _tp(group)),
+                            ColumnParallelLinear.from_native_module(ref.up, _tp(group)),
+                            RowParallelLinear.from_native_module(ref.down, _tp(group)), group, sharded=True)
             par.gate.defer_weight_grad = par.up.defer_weight_grad = defer
             x, g = torch.randn(3, 5, 10, requires_grad=True), torch.randn(3, 5, 10)
             xp = _leaf(x)
@@ -292,7 +297,8 @@ def case_embedding(group) -> None:
         for padding_idx in (3, 30):
             torch.manual_seed(5)
             ref = nn.Embedding(50, 6, padding_idx=padding_idx)
-            par = VocabParallelEmbedding.from_native_module(ref, group, make_vocab_size_divisible_by=divisible_by)
+            par = VocabParallelEmbedding.from_native_module(ref, _tp(group),
+                                                            make_vocab_size_divisible_by=divisible_by)
             padded = padded_size(50, world, divisible_by)
             assert (par.num_embeddings, par.padded_num_embeddings) == (50, padded)
             assert (par.vocab_start, par.vocab_end) == (rank * padded // world, (rank + 1) * padded // world)
@@ -325,8 +331,8 @@ def case_tied_lm_head(group) -> None:
         loss_ref = F.cross_entropy(logits_ref.view(-1, 50), labels.view(-1))
         loss_ref.backward()
 
-        pemb = VocabParallelEmbedding.from_native_module(emb, group, make_vocab_size_divisible_by=8)
-        phead = vocab_parallel_lm_head(head, group, gather_output=gather, padded_vocab=pemb.padded_num_embeddings)
+        pemb = VocabParallelEmbedding.from_native_module(emb, _tp(group), make_vocab_size_divisible_by=8)
+        phead = vocab_parallel_lm_head(head, _tp(group), gather_output=gather, padded_vocab=pemb.padded_num_embeddings)
         assert torch.equal(phead.weight, pemb.weight) and get_tp_spec(phead.weight) == get_tp_spec(pemb.weight)
         phead.weight = pemb.weight  # re-tie
         logits = phead(pemb(ids))
@@ -527,14 +533,14 @@ def test_single_process_is_identity() -> None:
     assert not dist.is_initialized()
     torch.manual_seed(10)
     ref = nn.Linear(6, 5)
-    col = ColumnParallelLinear.from_native_module(ref, None, gather_output=True, padded_out_features=8)
-    row = RowParallelLinear.from_native_module(ref, None)
+    col = ColumnParallelLinear.from_native_module(ref, Axis.alone("tp"), gather_output=True, padded_out_features=8)
+    row = RowParallelLinear.from_native_module(ref, Axis.alone("tp"))
     x = torch.randn(3, 6)
     assert_close(col(x), ref(x), **TOL)
     assert_close(row(x), ref(x), **TOL)
     emb = nn.Embedding(11, 4, padding_idx=2)
     ids = torch.randint(0, 11, (5,))
-    assert_close(VocabParallelEmbedding.from_native_module(emb, None, 4)(ids), emb(ids), **TOL)
+    assert_close(VocabParallelEmbedding.from_native_module(emb, Axis.alone("tp"), 4)(ids), emb(ids), **TOL)
     logits, target = torch.randn(7, 11), torch.randint(0, 11, (7,))
     assert_close(vocab_parallel_cross_entropy(logits, target, None, 0), F.cross_entropy(logits, target), **LOSS_TOL)
 
@@ -549,7 +555,7 @@ def test_zero_padding_matches_the_shard_layout() -> None:
             fresh = torch.ones_like(expected)
             zero_padding(fresh, spec, rank, 4)
             assert torch.equal(fresh, expected), (spec, rank)
-    col = ColumnParallelLinear(6, 5, None, padded_out_features=8)
+    col = ColumnParallelLinear(6, 5, Axis.alone("tp"), padded_out_features=8)
     assert col.weight[5:].abs().sum() == 0 and col.weight[:5].abs().sum() > 0 and col.bias[5:].abs().sum() == 0
-    emb = VocabParallelEmbedding(11, 4, None, make_vocab_size_divisible_by=4)
+    emb = VocabParallelEmbedding(11, 4, Axis.alone("tp"), make_vocab_size_divisible_by=4)
     assert emb.weight.shape[0] == 12 and emb.weight[11:].abs().sum() == 0 and emb.weight[:11].abs().sum() > 0

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardformer.layer.spec import get_tp_spec
+from shardformer.layer.spec import copy_tp_spec
 
 from .mixed_precision import MAX_SKIPS_AT_MIN_SCALE, DynamicLossScaler, nonfinite_stages
 from ..guards.optimizer_guard import boosted_step
@@ -76,8 +76,7 @@ class HybridParallelOptimizer:
                 master = p
                 if master_dtype is not None and p.requires_grad:  # frozen (e.g. LoRA's base): never stepped
                     master = nn.Parameter(p.detach().to(master_dtype).clone(), requires_grad=p.requires_grad)
-                    if get_tp_spec(p) is not None:
-                        master._tp_spec = get_tp_spec(p)
+                    copy_tp_spec(p, master)
                     self.master_of[id(p)] = master
                 self._pairs.append((p, master))
                 stepped.append(master)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardformer.layer.comm import all_gather_tensor
+from shardformer.layer.spec import copy_tp_spec
 
 from .optimizer import HybridParallelOptimizer
 from .grad_bucket import GradBucket
@@ -213,8 +214,7 @@ class ZeroOptimizer(HybridParallelOptimizer):
             for p in group:
                 if id(p) in full and self._mixed:
                     stand_in = nn.Parameter(full[id(p)].pop("master"), requires_grad=p.requires_grad)
-                    if getattr(p, "_tp_spec", None) is not None:
-                        stand_in._tp_spec = p._tp_spec
+                    copy_tp_spec(p, stand_in)
                     stand_ins[id(p)] = stand_in
                 elif id(p) in full:
                     stand_ins[id(p)] = p

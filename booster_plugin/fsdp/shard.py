@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipeline.context import Axis
 from pipeline.groups import group_backend, world_group
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.wrap import _Policy
@@ -100,7 +101,7 @@ def prepare_replicas(model: nn.Module, device: torch.device) -> nn.Module:
     rank 0's parameters and buffers broadcast to every rank (as DDP does), so every shard comes from one model."""
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         from shardformer.materialize import materialize
-        materialize(model, device, None, 0)
+        materialize(model, device, Axis.alone("tp"), 0)
     model = model.to(device)
     if dist.get_world_size() > 1:
         _sync_module_states(model, world_group(), _BROADCAST_BUCKET, 0, set())

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 
-from shardformer.lazy_sources import DEVICE_TAG
+from pipeline.context import Axis
+from shardformer.lazy_sources import lazy_device_of, set_lazy_device
+from shardformer.layer.tensor_registry import unregistered
 from shardformer.materialize import materialize as materialize_shard
 
 from ..dist_logger import get_dist_logger
@@ -80,7 +82,7 @@ class LazyInitContext:
         the CPU): checkpoint tensors of a lazy `from_pretrained` are read, the others initialized by the model's own
         init. Returns `module`. `verbose`: rank 0 logs how much of the model was lazy (ColossalAI's report)."""
         lazy = [t for t in chain(module.parameters(), module.buffers()) if t.is_meta]
-        device = next((getattr(t, DEVICE_TAG) for t in lazy if hasattr(t, DEVICE_TAG)), torch.device("cpu"))
+        device = next((d for d in map(lazy_device_of, lazy) if d is not None), torch.device("cpu"))
         if verbose:
             _report(module)
         _materialize_in_place(module, device)
@@ -119,7 +121,7 @@ def _tagging(device: torch.device) -> Iterator[None]:
     """Every meta parameter and buffer registered meanwhile remembers `device` (where `materialize` puts it)."""
     def tag(module: nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
         if tensor is not None and tensor.is_meta:
-            setattr(tensor, DEVICE_TAG, device)
+            set_lazy_device(tensor, device)
 
     handles = [nn_module.register_module_parameter_registration_hook(tag),
                nn_module.register_module_buffer_registration_hook(tag)]
@@ -133,7 +135,7 @@ def _tagging(device: torch.device) -> Iterator[None]:
 def _tag_tree(model: nn.Module, device: torch.device) -> None:
     for t in chain(model.parameters(), model.buffers()):
         if t.is_meta:
-            setattr(t, DEVICE_TAG, device)
+            set_lazy_device(t, device)
 
 
 def _materialize_in_place(module: nn.Module, device: torch.device) -> None:
@@ -141,11 +143,12 @@ def _materialize_in_place(module: nn.Module, device: torch.device) -> None:
     ColossalAI's in-place materialization): the new tensors' contents are swapped into the meta ones."""
     slots = [(store, key, t) for m in module.modules() for store in (m._parameters, m._buffers)
              for key, t in store.items() if t is not None and t.is_meta]
-    materialize_shard(module, device, None, 0)
+    materialize_shard(module, device, Axis.alone("tp"), 0)
     swapped = set()
     for store, key, old in slots:
         if id(old) not in swapped:
-            torch.utils.swap_tensors(old, store[key])
+            with unregistered(old, store[key]):
+                torch.utils.swap_tensors(old, store[key])
             swapped.add(id(old))
         store[key] = old
 

@@ -121,12 +121,12 @@ def shard_config_of(sharding: ShardingConfig, ctx: ParallelContext, stage_manage
                     rng_tracker: Optional[TPRNGTracker] = None) -> ShardConfig:
     """How the model is sharded (`plugin.shard_config`, ColossalAI's name; at boost with tp's dropout RNG)."""
     return ShardConfig(
-        tensor_parallel_process_group=ctx.tp.active,
+        tp=ctx.tp,
         pipeline_stage_manager=stage_manager if ctx.pp.size > 1 else None,
         parallel_output=sharding.parallel_output,
         make_vocab_size_divisible_by=sharding.make_vocab_size_divisible_by, rng_tracker=rng_tracker,
-        expert_parallel_process_group=ctx.ep.active,
-        sequence=None if sharding.sp_mode is None else SequenceSplit(sharding.sp_mode, ctx.seq.group, ctx.seq.size,
+        ep=ctx.ep,
+        sequence=None if sharding.sp_mode is None else SequenceSplit(sharding.sp_mode, ctx.seq,
                                                                      own_group=ctx.seq is ctx.sp),
         chunked_loss=sharding.chunked_loss, loss_chunk_size=sharding.loss_chunk_size)
 

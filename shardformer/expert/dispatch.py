@@ -37,7 +37,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from ..lazy_sources import EXPERT_ROWS
+from pipeline.context import Axis
+
+from ..lazy_sources import set_expert_rows
+from ..layer.spec import copy_tp_spec
 
 __all__ = ["ExpertTraffic", "TRAFFIC", "expert_parameters", "split_experts_over_ep"]
 
@@ -63,18 +66,17 @@ def expert_parameters(module: nn.Module, num_experts: int) -> List[Tuple[str, nn
     return [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == num_experts]
 
 
-def split_experts_over_ep(module: nn.Module, group: ProcessGroup, num_experts: int) -> List[str]:
+def split_experts_over_ep(module: nn.Module, ep: Axis, num_experts: int) -> List[str]:
     """Keep this ep rank's E / ep experts of `module` (its stacked parameters sliced along dim 0; `num_experts`
     becomes the local count) and hook the dispatch / combine exchanges; returns the names of the sliced
     parameters (relative to `module`). Call after the tp split's hooks are registered, if any."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    size, rank, group = ep.size, ep.rank, ep.group
     local = num_experts // size
     names = []
     for name, p in expert_parameters(module, num_experts):
         kept = nn.Parameter(p.detach().narrow(0, rank * local, local).clone(), requires_grad=p.requires_grad)
-        if hasattr(p, "_tp_spec"):  # split over tp on another dimension as well
-            kept._tp_spec = p._tp_spec
-        setattr(kept, EXPERT_ROWS, (rank * local, local))  # (lazy init: which experts to materialize)
+        copy_tp_spec(p, kept)  # split over tp on another dimension as well, if at all
+        set_expert_rows(kept, (rank * local, local))  # (lazy init: which experts to materialize)
         setattr(module, name, kept)
         names.append(name)
     module.num_experts = local

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Tuple
 
 from torch import nn
-from torch.distributed import ProcessGroup
+
+from pipeline.context import Axis
 
 from .dispatch import expert_parameters, split_experts_over_ep
 from ..stage.forward import Released
@@ -69,12 +70,11 @@ def refuse_sequence_parallelism(model: nn.Module, plan_style: Callable[[str], Op
             f"sequence_parallelism_mode='all_to_all' or 'ring_attn' (with sp_size > 1; ep_size composes).")
 
 
-def shard_experts(model: nn.Module, plan_style: Callable[[str], Optional[ParallelStyle]],
-                  group: ProcessGroup) -> List[str]:
-    """Split every experts module `model` holds over `group` (after the tp split, if any); the full names of the
-    parameters now holding this rank's experts only."""
+def shard_experts(model: nn.Module, plan_style: Callable[[str], Optional[ParallelStyle]], ep: Axis) -> List[str]:
+    """Split every experts module `model` holds over the `ep` axis (after the tp split, if any); the full names of
+    the parameters now holding this rank's experts only."""
     names = []
     for path, module in experts_modules(model, plan_style):
-        for name in split_experts_over_ep(module, group, module.num_experts):
+        for name in split_experts_over_ep(module, ep, module.num_experts):
             names.append(f"{path}.{name}" if path else name)
     return names

@@ -4,9 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
-from .comm import get_tp_rank, get_tp_world_size
+from .axis import Axis, OnAxis, checked_axis
 from .linear import ColumnParallelLinear
 from .vocab_split import combine_lookup, local_ids
 from .spec import UnshardedStateDict, TPSpec, get_tp_spec, padded_size, set_tp_spec, shard_parameter, zero_padding
@@ -14,7 +13,7 @@ from .spec import UnshardedStateDict, TPSpec, get_tp_spec, padded_size, set_tp_s
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_lm_head"]
 
 
-class VocabParallelEmbedding(UnshardedStateDict, nn.Module):
+class VocabParallelEmbedding(OnAxis, UnshardedStateDict, nn.Module):
     """Embedding whose vocabulary rows are split in contiguous blocks over the TP group.
 
     The vocab is padded with zero rows to a multiple of `make_vocab_size_divisible_by * tp_size`; each rank looks up
@@ -25,7 +24,7 @@ class VocabParallelEmbedding(UnshardedStateDict, nn.Module):
         self,
         num_embeddings: int,
         embedding_dim: int,
-        tp_group: ProcessGroup | None = None,
+        tp: Axis,
         *,
         padding_idx: int | None = None,
         make_vocab_size_divisible_by: int = 64,
@@ -33,9 +32,7 @@ class VocabParallelEmbedding(UnshardedStateDict, nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.tp_group = tp_group
-        self.tp_size = get_tp_world_size(tp_group)
-        self.tp_rank = get_tp_rank(tp_group)
+        self.tp = checked_axis(tp, type(self).__name__)
         if padding_idx is not None and padding_idx < 0:
             padding_idx += num_embeddings
         self.num_embeddings = num_embeddings
@@ -47,7 +44,7 @@ class VocabParallelEmbedding(UnshardedStateDict, nn.Module):
         self.vocab_end = self.vocab_start + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device, dtype=dtype))
         set_tp_spec(self.weight, TPSpec(0, full_size=num_embeddings, padded=self.padded_num_embeddings,
-                                        group=tp_group))
+                                        group=tp.group))
         if self.weight.device.type != "meta":  # meta: parameters are replaced right after
             self.reset_parameters()
 
@@ -68,12 +65,12 @@ class VocabParallelEmbedding(UnshardedStateDict, nn.Module):
 
     @classmethod
     def from_native_module(
-        cls, module: nn.Embedding, tp_group: ProcessGroup | None, make_vocab_size_divisible_by: int = 64
+        cls, module: nn.Embedding, tp: Axis, make_vocab_size_divisible_by: int = 64
     ) -> "VocabParallelEmbedding":
         """Shard an nn.Embedding; the native module is left untouched."""
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             raise NotImplementedError("max_norm, scale_grad_by_freq and sparse are not supported")
-        layer = cls(module.num_embeddings, module.embedding_dim, tp_group, padding_idx=module.padding_idx,
+        layer = cls(module.num_embeddings, module.embedding_dim, tp, padding_idx=module.padding_idx,
                     make_vocab_size_divisible_by=make_vocab_size_divisible_by, device="meta",
                     dtype=module.weight.dtype)
         layer.weight = shard_parameter(module.weight, get_tp_spec(layer.weight), layer.tp_rank, layer.tp_size)
@@ -98,11 +95,11 @@ class VocabParallelEmbedding(UnshardedStateDict, nn.Module):
 
 
 def vocab_parallel_lm_head(
-    module: nn.Linear, tp_group: ProcessGroup | None, gather_output: bool, padded_vocab: int
+    module: nn.Linear, tp: Axis, gather_output: bool, padded_vocab: int
 ) -> ColumnParallelLinear:
     """Column-parallel LM head padded like the VocabParallelEmbedding, so tied weights shard identically.
 
     The caller re-ties afterwards with `lm_head.weight = embedding.weight`.
     """
-    return ColumnParallelLinear.from_native_module(module, tp_group, gather_output=gather_output,
+    return ColumnParallelLinear.from_native_module(module, tp, gather_output=gather_output,
                                                    padded_out_features=padded_vocab)

@@ -4,26 +4,24 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
-from .comm import get_tp_rank, get_tp_world_size
+from .axis import Axis, OnAxis, checked_axis
 from .spec import TPSpec, UnshardedStateDict, shard_parameter
 
 __all__ = ["HeadParallelEmbedding"]
 
 
-class HeadParallelEmbedding(UnshardedStateDict, nn.Module):
+class HeadParallelEmbedding(OnAxis, UnshardedStateDict, nn.Module):
     """nn.Embedding with its columns (e.g. attention heads) split in contiguous blocks over the TP group.
 
     Args:
         module: the native embedding, left untouched; its weight is (num_embeddings, heads).
-        tp_group: the tensor-parallel group; `heads` must be divisible by its size.
+        tp: the tensor-parallel axis; `heads` must be divisible by its size.
     """
 
-    def __init__(self, module: nn.Embedding, tp_group: ProcessGroup | None) -> None:
+    def __init__(self, module: nn.Embedding, tp: Axis) -> None:
         super().__init__()
-        self.tp_group = tp_group
-        self.tp_size, self.tp_rank = get_tp_world_size(tp_group), get_tp_rank(tp_group)
+        self.tp = checked_axis(tp, type(self).__name__)
         if module.embedding_dim % self.tp_size:
             raise ValueError(f"cannot split {module.embedding_dim} embedding columns (heads) over {self.tp_size} ranks")
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
@@ -31,7 +29,7 @@ class HeadParallelEmbedding(UnshardedStateDict, nn.Module):
         self.num_embeddings = module.num_embeddings
         self.embedding_dim = module.embedding_dim // self.tp_size
         self.padding_idx = module.padding_idx
-        self.weight = shard_parameter(module.weight, TPSpec(1, group=tp_group), self.tp_rank,
+        self.weight = shard_parameter(module.weight, TPSpec(1, group=tp.group), self.tp_rank,
                                       self.tp_size)
 
     def forward(self, ids: Tensor) -> Tensor:

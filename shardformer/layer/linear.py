@@ -15,14 +15,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
 from pipeline.split_backward import linear, linear_param_grads, stored_linear
 
-from .comm import (gather_from_sequence, gather_from_tp, get_tp_rank, get_tp_world_size, reduce_from_tp,
-                   reduce_scatter_to_sequence, split_to_tp)
+from .axis import Axis, OnAxis, checked_axis
+from .comm import gather_from_sequence, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence, split_to_tp
 from .conv1d import is_conv1d
-from .region import RegionInput
+from .region import RegionInput, join_region, region_input_of, set_region_input
 from .sequence_shard import SequenceShard, split_dim
 from .spec import UnshardedStateDict, TPSpec, get_tp_spec, set_tp_spec, shard_parameter, zero_padding
 
@@ -71,7 +70,7 @@ class _LinearOnGathered(torch.autograd.Function):
         return grad_full, None, grad_weight, grad_bias, None, None
 
 
-class ColumnParallelLinear(UnshardedStateDict, nn.Module):
+class ColumnParallelLinear(OnAxis, UnshardedStateDict, nn.Module):
     """Linear layer whose output features are split over the TP group; input gradient is all-reduced.
 
     With `n_fused` > 1 the output is made of equal fused areas (e.g. q, k, v) and each area is split separately.
@@ -82,7 +81,7 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         self,
         in_features: int,
         out_features: int,
-        tp_group: ProcessGroup | None = None,
+        tp: Axis,
         *,
         bias: bool = True,
         gather_output: bool = False,
@@ -93,9 +92,7 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.tp_group = tp_group
-        self.tp_size = get_tp_world_size(tp_group)
-        self.tp_rank = get_tp_rank(tp_group)
+        self.tp = checked_axis(tp, type(self).__name__)
         padded = out_features if padded_out_features is None else padded_out_features
         if padded < out_features or padded % (n_fused * self.tp_size) or out_features % n_fused:
             raise ValueError(f"cannot split {out_features} (padded {padded}) outputs into {n_fused} fused areas "
@@ -111,11 +108,10 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         self.gather_output_in_eval = False
         self.is_conv1d = is_conv1d
         self.n_fused = n_fused
-        # the enclosing module's input (a region.RegionInput, set by the sharder's region hooks while the module
-        # runs): sibling projections (q, k, v; gate, up) that read exactly it share one entry into the tp region, so
-        # their summed input gradient is all-reduced (or, with sequence parallelism, reduce-scattered) once, not once
-        # each; any other input enters here
-        self.region_input = None
+        # a region member (layer/region.py): sibling projections (q, k, v; gate, up) that read exactly the
+        # enclosing module's input share one entry into the tp region, so their summed input gradient is all-reduced
+        # (or, with sequence parallelism, reduce-scattered) once, not once each; any other input enters here
+        join_region(self)
         # split_gather sequence parallelism: the sequence dimension of the input (None: off)
         self.sequence_dim: int | None = None
         # compute the weight gradient while the input gradient is summed over tp (layer/deferred.py)
@@ -126,11 +122,20 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype)) if bias else None
         full_size = None if padded_out_features is None else out_features
         pad_to = None if padded_out_features is None else padded
-        set_tp_spec(self.weight, TPSpec(1 if is_conv1d else 0, n_fused, full_size, pad_to, group=tp_group))
+        set_tp_spec(self.weight, TPSpec(1 if is_conv1d else 0, n_fused, full_size, pad_to, group=tp.group))
         if self.bias is not None:
-            set_tp_spec(self.bias, TPSpec(0, n_fused, full_size, pad_to, group=tp_group))
+            set_tp_spec(self.bias, TPSpec(0, n_fused, full_size, pad_to, group=tp.group))
         if self.weight.device.type != "meta":  # meta: parameters are replaced right after
             self.reset_parameters()
+
+    @property
+    def region_input(self) -> RegionInput | None:
+        """The enclosing region's input while the sharder's region hooks run it (region.region_input_of)."""
+        return region_input_of(self)
+
+    @region_input.setter
+    def region_input(self, region: RegionInput | None) -> None:
+        set_region_input(self, region)
 
     @property
     def output_start(self) -> int:
@@ -152,14 +157,14 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
     def from_native_module(
         cls,
         module: nn.Module,
-        tp_group: ProcessGroup | None,
+        tp: Axis,
         gather_output: bool = False,
         n_fused: int = 1,
         padded_out_features: int | None = None,
     ) -> "ColumnParallelLinear":
         """Shard an nn.Linear or transformers Conv1D; the native module is left untouched."""
         in_features, out_features, is_conv1d = _native_shape(module)
-        layer = cls(in_features, out_features, tp_group, bias=module.bias is not None, gather_output=gather_output,
+        layer = cls(in_features, out_features, tp, bias=module.bias is not None, gather_output=gather_output,
                     is_conv1d=is_conv1d, n_fused=n_fused, padded_out_features=padded_out_features,
                     device="meta", dtype=module.weight.dtype)
         _load_native(layer, module, layer.tp_rank, layer.tp_size)
@@ -212,7 +217,7 @@ class ColumnParallelLinear(UnshardedStateDict, nn.Module):
                 f"tp={self.tp_rank}/{self.tp_size}")
 
 
-class RowParallelLinear(UnshardedStateDict, nn.Module):
+class RowParallelLinear(OnAxis, UnshardedStateDict, nn.Module):
     """Linear layer whose input features are split over the TP group; partial outputs are all-reduced.
 
     The bias is replicated and added once, after the reduction.
@@ -222,7 +227,7 @@ class RowParallelLinear(UnshardedStateDict, nn.Module):
         self,
         in_features: int,
         out_features: int,
-        tp_group: ProcessGroup | None = None,
+        tp: Axis,
         *,
         bias: bool = True,
         input_is_parallel: bool = True,
@@ -231,9 +236,7 @@ class RowParallelLinear(UnshardedStateDict, nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.tp_group = tp_group
-        self.tp_size = get_tp_world_size(tp_group)
-        self.tp_rank = get_tp_rank(tp_group)
+        self.tp = checked_axis(tp, type(self).__name__)
         if in_features % self.tp_size:
             raise ValueError(f"in_features={in_features} is not divisible by the TP size {self.tp_size}")
         self.full_in_features = in_features
@@ -246,7 +249,7 @@ class RowParallelLinear(UnshardedStateDict, nn.Module):
         shape = (self.in_features, out_features) if is_conv1d else (out_features, self.in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        set_tp_spec(self.weight, TPSpec(0 if is_conv1d else 1, group=tp_group))
+        set_tp_spec(self.weight, TPSpec(0 if is_conv1d else 1, group=tp.group))
         if self.weight.device.type != "meta":  # meta: parameters are replaced right after
             self.reset_parameters()
 
@@ -260,11 +263,11 @@ class RowParallelLinear(UnshardedStateDict, nn.Module):
 
     @classmethod
     def from_native_module(
-        cls, module: nn.Module, tp_group: ProcessGroup | None, input_is_parallel: bool = True
+        cls, module: nn.Module, tp: Axis, input_is_parallel: bool = True
     ) -> "RowParallelLinear":
         """Shard an nn.Linear or transformers Conv1D; the native module is left untouched."""
         in_features, out_features, is_conv1d = _native_shape(module)
-        layer = cls(in_features, out_features, tp_group, bias=module.bias is not None,
+        layer = cls(in_features, out_features, tp, bias=module.bias is not None,
                     input_is_parallel=input_is_parallel, is_conv1d=is_conv1d, device="meta",
                     dtype=module.weight.dtype)
         _load_native(layer, module, layer.tp_rank, layer.tp_size)

@@ -10,10 +10,15 @@ region, so their summed input gradient is all-reduced once, not once each.
 
 Without sequence parallelism the region's column layers (`members`) defer their weight gradients to the entry's
 backward, which computes them while the input gradient is being summed (layer/deferred.py).
+
+Which modules read a region's input, and the input while the region runs, are held here, in a registry keyed by
+module (`join_region`, `region_input_of`, `set_region_input`): nothing is written onto the modules, some of which
+(key/value projections kept whole) are transformers'.
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
+from weakref import WeakKeyDictionary
 
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -22,7 +27,8 @@ from .comm import copy_to_tp, gather_from_sequence, get_tp_world_size
 from .deferred import Deferring, enter_deferring
 from .sequence_shard import SequenceShard, split_dim
 
-__all__ = ["RegionInput", "ShardSource", "enter_region"]
+__all__ = ["RegionInput", "ShardSource", "enter_region", "join_region", "is_region_member", "region_input_of",
+           "set_region_input"]
 
 
 class ShardSource(NamedTuple):
@@ -69,3 +75,27 @@ def enter_region(x: Tensor, group: Optional[ProcessGroup], sequence_dim: Optiona
         return RegionInput(x, group, members=members)
     dim = split_dim(x, sequence_dim)
     return RegionInput(gather_from_sequence(x, dim, group), group, ShardSource(x, SequenceShard(dim, group)))
+
+
+# module -> the input of the region it runs in (None outside one): the modules that read a region's input
+_REGION_INPUTS: "WeakKeyDictionary[nn.Module, Optional[RegionInput]]" = WeakKeyDictionary()
+
+
+def join_region(module: nn.Module) -> None:
+    """Make `module` a region member: the enclosing region's hook tells it its input (`region_input_of`)."""
+    _REGION_INPUTS.setdefault(module, None)
+
+
+def is_region_member(module: nn.Module) -> bool:
+    """Did `module` join a region (`join_region`)?"""
+    return module in _REGION_INPUTS
+
+
+def region_input_of(module: nn.Module) -> Optional[RegionInput]:
+    """The input of the region `module` runs in now, or None."""
+    return _REGION_INPUTS.get(module)
+
+
+def set_region_input(module: nn.Module, region: Optional[RegionInput]) -> None:
+    """Tell `module` the input of the region it runs in (None: it runs in none)."""
+    _REGION_INPUTS[module] = region

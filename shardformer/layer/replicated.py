@@ -7,28 +7,40 @@ and partial, from its own heads, in the rows of a key/value every rank uses), wh
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .comm import copy_to_tp, get_tp_rank, get_tp_world_size, start_sum
+from pipeline.context import Axis
 
-__all__ = ["sum_grads_over_tp", "sum_grad_over_tp", "keep_own_heads", "sum_tail_grad_over_tp"]
+from .comm import copy_to_tp, get_tp_world_size, start_sum
+from .region import join_region, region_input_of
+from .tensor_registry import tensor_registry
+
+__all__ = ["sum_grads_over_tp", "sum_grad_over_tp", "grad_summed_over", "keep_own_heads", "sum_tail_grad_over_tp"]
+
+# parameter -> the groups its gradient hooks sum over (layer/tensor_registry.py)
+_SUMMED_OVER = tensor_registry()
 
 
 def sum_grad_over_tp(param: Tensor, group: ProcessGroup | None) -> None:
     """Each use's gradient of `param` is summed over the group before it is accumulated (so the per-microbatch sums
     add up): for a replicated parameter that sees only this rank's part of a split activation. Once per parameter and
     group (a second call does nothing; a parameter split over tp rows and sequence over sp is summed over each); the
-    groups in `param._grad_summed_over` tell a parameter re-created later (lazy initialization) to get the hooks
+    groups, `grad_summed_over(param)`, tell a parameter re-created later (lazy initialization) to get the hooks
     again."""
-    summed = getattr(param, "_grad_summed_over", ())
+    summed = grad_summed_over(param)
     if any(g is group for g in summed) or get_tp_world_size(group) == 1 or not param.requires_grad:
         return  # (a frozen parameter, e.g. a LoRA base weight, has no gradient to sum)
     param.register_hook(functools.partial(_summed, group=group))
-    param._grad_summed_over = (*summed, group)
+    _SUMMED_OVER[param] = (*summed, group)
+
+
+def grad_summed_over(param: Tensor) -> Tuple[ProcessGroup | None, ...]:
+    """The groups `param`'s gradient is summed over (`sum_grad_over_tp`), in the order they were added."""
+    return _SUMMED_OVER.get(param, ())
 
 
 def sum_grads_over_tp(module: nn.Module, group: ProcessGroup | None) -> None:
@@ -49,15 +61,15 @@ def _narrow(start: int, size: int, tail: int, module: nn.Module, args, out: Tens
     return torch.cat([own, out.narrow(-1, out.shape[-1] - tail, tail)], dim=-1) if tail else own
 
 
-def keep_own_heads(module: nn.Module, num_heads: int, group: ProcessGroup | None, tail: int = 0) -> None:
+def keep_own_heads(module: nn.Module, num_heads: int, tp: Axis, tail: int = 0) -> None:
     """`module`'s output holds `num_heads` equal heads, then `tail` features every rank uses whole: rank r of the
-    group keeps its num_heads / tp heads (with fewer heads than ranks, head r // (tp / num_heads)) and the tail."""
-    world, rank = get_tp_world_size(group), get_tp_rank(group)
+    tp axis keeps its num_heads / tp heads (with fewer heads than ranks, head r // (tp / num_heads)) and the tail."""
+    world, rank, group = tp.size, tp.rank, tp.group
     if world % num_heads and num_heads % world:
         raise ValueError(f"tp_size={world} neither divides nor is a multiple of the {num_heads} heads of {module}: "
                          f"use a tp size that does.")
     head_dim = (module.weight.shape[0] - tail) // num_heads
-    module.region_input = None  # like a column layer: its input gradient covers this rank's heads only
+    join_region(module)  # like a column layer: its input gradient covers this rank's heads only
     module.register_forward_pre_hook(functools.partial(_copied_input, group))
     kept = max(1, num_heads // world)
     module.register_forward_hook(functools.partial(_narrow, rank * num_heads // world * head_dim, kept * head_dim,
@@ -68,7 +80,7 @@ def keep_own_heads(module: nn.Module, num_heads: int, group: ProcessGroup | None
 def _copied_input(group: ProcessGroup | None, module: nn.Module, args):
     """The input's gradient summed over the group: the region's shared copy when it reads exactly the region's
     input (see region.RegionInput), else its own copy."""
-    x, region = args[0], module.region_input
+    x, region = args[0], region_input_of(module)
     return (region.copied() if region is not None and region.holds(x) else copy_to_tp(x, group), *args[1:])
 
 

@@ -1,4 +1,5 @@
-"""Sharding metadata attached to tensor-parallel parameters, and the shard / unshard helpers checkpoints use."""
+"""Sharding metadata of tensor-parallel parameters (a registry keyed by tensor identity), and the shard / unshard
+helpers checkpoints use."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -10,9 +11,10 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from .comm import get_tp_world_size
+from .tensor_registry import tensor_registry
 
-__all__ = ["TPSpec", "set_tp_spec", "get_tp_spec", "padded_size", "ShardRange", "shard_ranges", "shard_from",
-           "fill_shard", "shard_tensor", "zero_padding", "unshard", "gather_tensor", "shard_parameter",
+__all__ = ["TPSpec", "set_tp_spec", "get_tp_spec", "copy_tp_spec", "padded_size", "ShardRange", "shard_ranges",
+           "shard_from", "fill_shard", "shard_tensor", "zero_padding", "unshard", "gather_tensor", "shard_parameter",
            "UnshardedStateDict"]
 
 
@@ -38,14 +40,26 @@ class TPSpec:
         return replace(self)
 
 
-def set_tp_spec(param: Tensor, spec: TPSpec) -> None:
-    """Attach `spec` to `param` (as `param._tp_spec`)."""
-    param._tp_spec = spec
+# tensor -> its TPSpec (layer/tensor_registry.py: nothing is written onto torch's parameters)
+_SPECS = tensor_registry()
+
+
+def set_tp_spec(param: Tensor, spec: TPSpec | None) -> None:
+    """Record that `param` is split as `spec` (None: replicated)."""
+    if spec is None:
+        _SPECS.pop(param, None)
+    else:
+        _SPECS[param] = spec
 
 
 def get_tp_spec(param: Tensor) -> TPSpec | None:
-    """The TPSpec attached to `param`, or None for a replicated parameter."""
-    return getattr(param, "_tp_spec", None)
+    """The TPSpec recorded for `param`, or None for a replicated parameter."""
+    return _SPECS.get(param)
+
+
+def copy_tp_spec(src: Tensor, dst: Tensor) -> None:
+    """Give `dst` (a stand-in, master or re-created copy of `src`) the split recorded for `src`, if any."""
+    set_tp_spec(dst, get_tp_spec(src))
 
 
 def padded_size(size: int, world: int, multiple: int = 1) -> int:

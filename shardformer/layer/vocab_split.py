@@ -10,7 +10,9 @@ from typing import NamedTuple
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .comm import get_tp_rank, get_tp_world_size, reduce_from_tp
+from pipeline.context import Axis
+
+from .comm import reduce_from_tp
 from .spec import TPSpec, padded_size, shard_parameter
 
 __all__ = ["LocalIds", "local_ids", "combine_lookup", "shard_embedding_in_place"]
@@ -31,12 +33,12 @@ def combine_lookup(out: Tensor, outside: Tensor, group: ProcessGroup | None) -> 
     return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), group)
 
 
-def shard_embedding_in_place(module: nn.Embedding, group: ProcessGroup | None, make_vocab_size_divisible_by: int) -> None:
+def shard_embedding_in_place(module: nn.Embedding, tp: Axis, make_vocab_size_divisible_by: int) -> None:
     """Split an embedding's rows over the group without replacing the module: its own forward (e.g. a scaled lookup,
     elementwise in the looked-up rows) runs on local ids, and hooks zero foreign rows and sum the results."""
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         raise NotImplementedError(f"{type(module).__name__}: max_norm, scale_grad_by_freq and sparse are not supported")
-    world, rank = get_tp_world_size(group), get_tp_rank(group)
+    world, rank, group = tp.size, tp.rank, tp.group
     padded = padded_size(module.num_embeddings, world, make_vocab_size_divisible_by)
     per_rank = padded // world
     start, end = rank * per_rank, (rank + 1) * per_rank

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.context import Axis
+
 from ..layer.spec import gather_tensor, get_tp_spec
 from ..paths import base_prefix, match
 from ..policies.from_transformers import PlanRefused
@@ -89,7 +91,7 @@ def _prove(policy, cfg, sm) -> Optional[str]:
         except Exception as error:  # noqa: BLE001  (alike on every rank: no collective yet)
             return f"{what}: the unsharded twin itself fails ({_say(error)}); it cannot be proven."
         shard_cfg = replace(cfg, pipeline_stage_manager=_twin_stage_manager(sm), rng_tracker=None,
-                            sequence=None, expert_parallel_process_group=None,
+                            sequence=None, ep=Axis.alone("ep"),
                             chunked_loss=False)  # the plan's logits are compared
         sharder = Sharder(twin, twin_policy, shard_cfg)
         try:
@@ -102,7 +104,7 @@ def _prove(policy, cfg, sm) -> Optional[str]:
 
 def _device(cfg, sm) -> torch.device:
     """Where the twin runs: the accelerator where the groups communicate on it (NCCL), else the CPU."""
-    groups = [g for g in (cfg.tensor_parallel_process_group, sm.pp_group if sm is not None else None) if g]
+    groups = [g for g in (cfg.tp.active, sm.pp_group if sm is not None else None) if g]
     if torch.cuda.is_available() and any(dist.get_backend(g) == "nccl" for g in groups):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -210,7 +212,7 @@ def _agree(item: Optional[Mismatch], groups) -> Optional[Mismatch]:
 def _run_and_compare(twin, policy, sharded: ShardResult, sm, batch, ref: "_Recorder", ref_loss, cfg,
                      device) -> Optional[Mismatch]:
     """The sharded twin's forward, then (if it agrees) backward, each compared with the reference's."""
-    groups = (cfg.tensor_parallel_process_group, sm.pp_group if sm is not None else None)
+    groups = (cfg.tp.active, sm.pp_group if sm is not None else None)
     rec = _Recorder(twin, list(ref.outputs), (base_prefix(twin) + policy.layers + ".*",))
     pipe = _Pipeline(twin, sharded.stage_forward, sm, device)
     found = pipe.forward(batch, rec)
@@ -230,7 +232,7 @@ def _run_and_compare(twin, policy, sharded: ShardResult, sm, batch, ref: "_Recor
     if found is not None:
         return found
     pipe.sum_shared(sharded.shared)
-    return _agree(_grad_mismatch(twin, ref, cfg.tensor_parallel_process_group), groups)
+    return _agree(_grad_mismatch(twin, ref, cfg.tp.active), groups)
 
 
 def _role(path: str, order: List[str]) -> str:

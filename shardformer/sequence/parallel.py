@@ -33,9 +33,10 @@ import re
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional
 
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+
+from pipeline.context import Axis
 
 from ..layer import ColumnParallelLinear, RowParallelLinear, gather_from_tp, split_to_tp
 from ..layer.loss import TokenShard
@@ -245,22 +246,23 @@ def sequence_span(policy: Policy) -> SequenceSpan:
 
 
 def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceSpan, mode: str,
-                               group: ProcessGroup, own_group: bool = False,
+                               seq: Axis, own_group: bool = False,
                                parallel_output: bool = True) -> Optional[HeadOnShard]:
-    """Split the sequence over `group` in `span`, on a model already sharded for tp; see the module docstring.
+    """Split the sequence over the `seq` axis in `span`, on a model already sharded for tp; see the module
+    docstring.
 
     Args:
         model: the sharded model (this stage's layers only).
         policy: its policy (`layers`, `base_prefix`).
         span: from `sequence_span` on the unsharded model (hooks act where this stage holds the modules).
         mode: "split_gather", "all_to_all" or "ring_attn".
-        group: the tp group, or with `own_group` the sequence-parallel group of its own (every parameter of the
-            span, tensor-split or not, then sees this rank's part of the sequence: its gradient is summed over it).
+        seq: the tp axis, or with `own_group` the sequence-parallel axis of its own (every parameter of the span,
+            tensor-split or not, then sees this rank's part of the sequence: its gradient is summed over it).
         parallel_output: over a group of its own, the LM head and loss may run on this rank's tokens.
 
     Returns the split head's state where this stage keeps the sequence split through it (loss.py).
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank, group = seq.size, seq.rank, seq.group
     held: List[nn.Module] = list(policy.layer_list())
     zigzag = mode == "ring_attn"
     tokens = TokenShard(group, world, rank, zigzag)
@@ -281,9 +283,9 @@ def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceS
             if own_group or get_tp_spec(p) is None:
                 sum_grad_over_tp(p, group)
     if mode == "all_to_all":
-        use_ulysses_attention(model, held, group, world, rank)
+        use_ulysses_attention(model, held, seq)
     elif mode == "ring_attn":
-        use_ring_attention(model, held, group, world, rank)
+        use_ring_attention(model, held, seq)
     return head
 
 

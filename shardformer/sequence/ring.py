@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
+
+from pipeline.context import Axis
 
 from .ring_attention import RingAttention
 from .ulysses import ShardPositionEmbeddings, attention_override, layers_config, own_attention, point_layers_at
@@ -34,9 +35,8 @@ def _ring_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     return spec.ring(module, query, key, value, attention_mask, **kwargs)
 
 
-def use_ring_attention(model: nn.Module, layers: Sequence[nn.Module], group: ProcessGroup, world: int,
-                       rank: int) -> None:
-    """Point the layers' attention at ring attention over `group` and cut their rotary tables zigzag. The ring reads
+def use_ring_attention(model: nn.Module, layers: Sequence[nn.Module], seq: Axis) -> None:
+    """Point the layers' attention at ring attention over the `seq` axis and cut their rotary tables zigzag. The ring reads
     the mask the model's own forward built (sdpa's or eager's: a 4-D mask of the whole sequence, or None for a plain
     causal row), so it attends exactly where one process would (padding, packed documents, sliding windows)."""
     implementation = layers_config(model, layers)._attn_implementation
@@ -45,7 +45,7 @@ def use_ring_attention(model: nn.Module, layers: Sequence[nn.Module], group: Pro
                                   f"for attn_implementation 'sdpa' or 'eager'; this model uses {implementation!r}, "
                                   f"whose masks (None, 2-D or block masks) would not tell it where documents or "
                                   f"padding are. Load the model with attn_implementation='sdpa'.")
-    ring = RingAttention(group)
+    ring = RingAttention(seq.group)
     point_layers_at(model, layers, RING, _ring_attention, "ring_attn",
                     lambda implementation, eager: _Ring(ring, implementation, eager),
-                    ShardPositionEmbeddings(world, rank, zigzag=True))
+                    ShardPositionEmbeddings(seq.size, seq.rank, zigzag=True))

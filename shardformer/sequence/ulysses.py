@@ -13,6 +13,9 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_map_only
 
+from pipeline.context import Axis
+
+from ..config_view import see_config_while_running
 from ..layer.comm import all_to_all
 
 __all__ = ["SEQUENCE_DIM", "OwnAttention", "ShardPositionEmbeddings", "layers_config", "use_ulysses_attention", "point_layers_at", "own_attention"]
@@ -69,13 +72,12 @@ class ShardPositionEmbeddings:
         return table.narrow(SEQUENCE_DIM, self.rank * chunk, chunk)
 
 
-def use_ulysses_attention(model: nn.Module, layers: Sequence[nn.Module], group: ProcessGroup, world: int,
-                          rank: int) -> None:
+def use_ulysses_attention(model: nn.Module, layers: Sequence[nn.Module], seq: Axis) -> None:
     """Point the layers' modules at a config view whose attention implementation is the Ulysses wrapper (the
     model's own config, and so its masks, are unchanged) and cut the rotary tables per layer."""
     point_layers_at(model, layers, ULYSSES, _ulysses_attention, "all_to_all",
-                    lambda implementation, eager: _Ulysses(group, implementation, eager),
-                    ShardPositionEmbeddings(world, rank))
+                    lambda implementation, eager: _Ulysses(seq.group, implementation, eager),
+                    ShardPositionEmbeddings(seq.size, seq.rank))
 
 
 class OwnAttention(Protocol):
@@ -91,9 +93,9 @@ _OVERRIDES: "weakref.WeakKeyDictionary[nn.Module, OwnAttention]" = weakref.WeakK
 def point_layers_at(model: nn.Module, layers: Sequence[nn.Module], name: str, function: Any, mode: str,
                     make_spec: Callable[[str, Any], OwnAttention], cut_tables: Any) -> None:
     """Register `function` as attention implementation `name` and point the layers' modules that read the model's
-    config at a view naming it (the model's own config, and so its masks, unchanged); each such module gets
-    `make_spec(its implementation, its modeling file's eager function)` in the override registry (`_OVERRIDES`,
-    keyed by module: nothing is set on transformers' modules but the config view they read), and each layer the
+    config at a view naming it while they run (config_view.py; the model's own config, and so its masks, unchanged);
+    each such module gets `make_spec(its implementation, its modeling file's eager function)` in the override
+    registry (`_OVERRIDES`, keyed by module: nothing stays set on transformers' modules), and each layer the
     forward pre-hook `cut_tables` (the rotary tables cut to the rank's part of the sequence)."""
     from transformers import AttentionInterface
 
@@ -115,7 +117,7 @@ def point_layers_at(model: nn.Module, layers: Sequence[nn.Module], name: str, fu
                 raise NotImplementedError(f"sequence_parallelism_mode={mode!r} wraps the model's attention "
                                           f"function, but {type(module).__name__} with attn_implementation='eager' "
                                           f"has none to wrap; load the model with attn_implementation='sdpa'.")
-            module.config = view
+            see_config_while_running(module, view)
             _OVERRIDES[module] = make_spec(implementation, eager)
 
 

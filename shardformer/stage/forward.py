@@ -29,6 +29,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
+from ..config_view import config_swapped
 from ..expert.router_logits import ROUTER_LOGITS, prepend_router_logits, recorded_router_logits
 
 INPUT, ZEROS, IDENTITY = "input", "zeros", "identity"
@@ -227,20 +228,16 @@ class StageForward:
         restore = {path: self.model.get_submodule(path) for path in view.modules}
         for path, module in view.modules.items():
             replace_submodule(self.model, path, module)
-        base = self.loop
-        config = base.config
-        if view.config is not None:
-            base.config = view.config
         self.layers.active = view.layer_keys
         self._armed = view.exit_layer
         try:
-            return self.model(**kwargs, **self._extra)
+            with config_swapped(self.loop, view.config):
+                return self.model(**kwargs, **self._extra)
         except _StageExit as done:
             return done.output
         finally:
             self._armed = None
             self.layers.active = None
-            base.config = config
             for path, module in restore.items():
                 replace_submodule(self.model, path, module)
             self._value = self._router_logits = None

@@ -8,9 +8,10 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Type
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+
+from pipeline.context import Axis
 
 from ..layer.dropout import TPRNGTracker
 from ..layer.embedding import VocabParallelEmbedding, vocab_parallel_lm_head
@@ -31,11 +32,10 @@ __all__ = ["TPContext", "STYLE_TABLE", "apply_styles", "computes_causal_lm_loss"
 
 @dataclass(frozen=True)
 class TPContext:
-    """What the styles need besides the module: the model (a vocab-parallel head sets its loss), the tp group, the
+    """What the styles need besides the module: the model (a vocab-parallel head sets its loss), the tp axis, the
     plugin's vocabulary options and the dropout RNG tracker (LoRA dropout)."""
     model: nn.Module
-    group: ProcessGroup
-    tp_size: int
+    tp: Axis
     vocab_multiple: int
     parallel_output: bool
     rng_tracker: Optional[TPRNGTracker]
@@ -46,35 +46,35 @@ Applier = Callable[[nn.Module, ParallelStyle, TPContext], Optional[nn.Module]]
 
 
 def _column(module: nn.Module, style: Colwise, ctx: TPContext) -> nn.Module:
-    return ColumnParallelLinear.from_native_module(module, ctx.group, gather_output=style.gather_output,
+    return ColumnParallelLinear.from_native_module(module, ctx.tp, gather_output=style.gather_output,
                                                    n_fused=style.n_fused)
 
 
 def _row(module: nn.Module, style: Rowwise, ctx: TPContext) -> nn.Module:
-    return RowParallelLinear.from_native_module(module, ctx.group, input_is_parallel=not style.split_input)
+    return RowParallelLinear.from_native_module(module, ctx.tp, input_is_parallel=not style.split_input)
 
 
 def _grad_all_reduce(module: nn.Module, style: GradAllReduce, ctx: TPContext) -> None:
-    sum_grads_over_tp(module, ctx.group)
+    sum_grads_over_tp(module, ctx.tp.group)
 
 
 def _own_heads(module: nn.Module, style: OwnHeads, ctx: TPContext) -> None:
-    keep_own_heads(module, style.num_heads, ctx.group, style.tail)
+    keep_own_heads(module, style.num_heads, ctx.tp, style.tail)
 
 
 def _shared_tail(module: nn.Module, style: SharedTailGrad, ctx: TPContext) -> None:
-    sum_tail_grad_over_tp(module, style.features, ctx.group)
+    sum_tail_grad_over_tp(module, style.features, ctx.tp.group)
 
 
 def _experts(module: nn.Module, style: Experts, ctx: TPContext) -> None:
-    split_experts(module, ctx.group)
+    split_experts(module, ctx.tp.group)
 
 
 def _vocab_embedding(module: nn.Module, style: VocabEmbedding, ctx: TPContext) -> Optional[nn.Module]:
     if type(module).forward is not nn.Embedding.forward:  # its own forward (e.g. scaled) on local ids
-        shard_embedding_in_place(module, ctx.group, ctx.vocab_multiple)
+        shard_embedding_in_place(module, ctx.tp, ctx.vocab_multiple)
         return None
-    return VocabParallelEmbedding.from_native_module(module, ctx.group, make_vocab_size_divisible_by=ctx.vocab_multiple)
+    return VocabParallelEmbedding.from_native_module(module, ctx.tp, make_vocab_size_divisible_by=ctx.vocab_multiple)
 
 
 def computes_causal_lm_loss(model: nn.Module) -> bool:
@@ -90,16 +90,16 @@ def computes_causal_lm_loss(model: nn.Module) -> bool:
 
 def _vocab_head(module: nn.Module, style: VocabHead, ctx: TPContext) -> nn.Module:
     gather = style.gather_output or not ctx.parallel_output or not computes_causal_lm_loss(ctx.model)
-    padded = padded_size(module.out_features, ctx.tp_size, ctx.vocab_multiple)
-    head = vocab_parallel_lm_head(module, ctx.group, gather_output=gather, padded_vocab=padded)
+    padded = padded_size(module.out_features, ctx.tp.size, ctx.vocab_multiple)
+    head = vocab_parallel_lm_head(module, ctx.tp, gather_output=gather, padded_vocab=padded)
     if not gather:  # the model's own loss must then be the vocab-parallel cross-entropy
         head.gather_output_in_eval = True
-        ctx.model.loss_function = ParallelCausalLMLoss(ctx.group, head.output_start, module.out_features)
+        ctx.model.loss_function = ParallelCausalLMLoss(ctx.tp.group, head.output_start, module.out_features)
     return head
 
 
 def _head_embedding(module: nn.Module, style: HeadEmbedding, ctx: TPContext) -> nn.Module:
-    return HeadParallelEmbedding(module, ctx.group)
+    return HeadParallelEmbedding(module, ctx.tp)
 
 
 STYLE_TABLE: Dict[Type[ParallelStyle], Applier] = {
@@ -131,7 +131,7 @@ def apply_styles(ctx: TPContext, style_of: Callable[[str], Optional[ParallelStyl
         if style is None or isinstance(module, Released) or not list(module.parameters()):
             continue
         if shards_adapters(module, style):
-            shard_lora_layer(module, style, ctx.group, ctx.rng_tracker)  # base layer and adapters, in place
+            shard_lora_layer(module, style, ctx.tp, ctx.rng_tracker)  # base layer and adapters, in place
             continue
         new = _applier(style, path)(module, style, ctx)
         if new is not None:
@@ -140,10 +140,10 @@ def apply_styles(ctx: TPContext, style_of: Callable[[str], Optional[ParallelStyl
         style = style_of(name)
         if isinstance(style, SplitParam):
             parent, attr = get_submodule_parent(model, name)
-            spec = TPSpec(style.dim % p.dim(), style.n_fused, group=ctx.group)
-            setattr(parent, attr, shard_parameter(p, spec, dist.get_rank(ctx.group), ctx.tp_size))
+            spec = TPSpec(style.dim % p.dim(), style.n_fused, group=ctx.tp.group)
+            setattr(parent, attr, shard_parameter(p, spec, ctx.tp.rank, ctx.tp.size))
         elif isinstance(style, GradAllReduce):
-            sum_grad_over_tp(p, ctx.group)
+            sum_grad_over_tp(p, ctx.tp.group)
 
 
 class ParallelCausalLMLoss:

@@ -20,10 +20,11 @@ from typing import Callable, Optional
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..layer.comm import get_tp_rank, get_tp_world_size
+from pipeline.context import Axis
+
 from ..layer.dropout import wrap_module_forward_in_local_rng, wrap_module_forward_in_shared_rng
 from ..layer.linear import ColumnParallelLinear, RowParallelLinear
-from ..layer.region import enter_region
+from ..layer.region import enter_region, region_input_of, set_region_input
 from ..layer.replicated import sum_grads_over_tp
 from ..layer.spec import TPSpec, shard_parameter
 from .styles import Colwise, GradAllReduce, OwnHeads, Rowwise
@@ -108,14 +109,14 @@ def _check_lora_layer(path: str, layer: nn.Module, style) -> None:
                                 f"LoRA on Linear/Conv1D layers). {fix}")
 
 
-def shard_lora_layer(layer: nn.Module, style, group: Optional[ProcessGroup], rng_tracker=None) -> None:
-    """Shard a peft LoRA layer in place: its base layer by `style` (Colwise / Rowwise, as the plan says for the
-    module it wraps) and every adapter consistently with it (see the module docstring)."""
-    rank, world = get_tp_rank(group), get_tp_world_size(group)
+def shard_lora_layer(layer: nn.Module, style, tp: Axis, rng_tracker=None) -> None:
+    """Shard a peft LoRA layer in place over the `tp` axis: its base layer by `style` (Colwise / Rowwise, as the plan
+    says for the module it wraps) and every adapter consistently with it (see the module docstring)."""
+    rank, world, group = tp.rank, tp.size, tp.group
     base = layer.get_base_layer()
     split_input = False
     if isinstance(style, Colwise):
-        layer.base_layer = ColumnParallelLinear.from_native_module(base, group, n_fused=style.n_fused)
+        layer.base_layer = ColumnParallelLinear.from_native_module(base, tp, n_fused=style.n_fused)
         spec = TPSpec(0, style.n_fused, group=group)  # nn.Linear (out, in): lora_B's output split like the base's
         for name in layer.lora_A:
             sum_grads_over_tp(layer.lora_A[name], group)
@@ -129,9 +130,9 @@ def shard_lora_layer(layer: nn.Module, style, group: Optional[ProcessGroup], rng
         layer.register_forward_hook(hooks.post)
     else:
         split_input = not style.split_input
-        layer.base_layer = RowParallelLinear.from_native_module(base, group, input_is_parallel=split_input)
+        layer.base_layer = RowParallelLinear.from_native_module(base, tp, input_is_parallel=split_input)
         for name in layer.lora_A:
-            layer.lora_A[name] = RowParallelLinear.from_native_module(layer.lora_A[name], group,
+            layer.lora_A[name] = RowParallelLinear.from_native_module(layer.lora_A[name], tp,
                                                                       input_is_parallel=split_input)
     if rng_tracker is not None:
         wrap = wrap_module_forward_in_local_rng if split_input else wrap_module_forward_in_shared_rng
@@ -141,7 +142,7 @@ def shard_lora_layer(layer: nn.Module, style, group: Optional[ProcessGroup], rng
 
 class _CopyInputOnce:
     """Forward hooks of a LoRA layer on a column-parallel base: base and lora_A read the same entered input. The
-    sharder's region hook may have made it (`base.region_input`, layer/region.py); otherwise the layer enters the
+    sharder's region hook may have made it (`region_input_of(base)`, layer/region.py); otherwise the layer enters the
     tp region here (a copy, or with split_gather the gathered sequence), and the base's previous region input is
     restored after the layer's forward."""
 
@@ -154,10 +155,11 @@ class _CopyInputOnce:
     def pre(self, layer: nn.Module, args, kwargs):
         base = layer.base_layer
         x = args[0] if args else kwargs["x"]
-        region = base.region_input
+        region = region_input_of(base)
         if region is None or not region.holds(x):
             self.previous = region
-            region = base.region_input = enter_region(x, self.group, base.sequence_dim if base.training else None)
+            region = enter_region(x, self.group, base.sequence_dim if base.training else None)
+            set_region_input(base, region)
         entered = region.copied()
         if args:
             return (entered, *args[1:]), kwargs
@@ -165,4 +167,5 @@ class _CopyInputOnce:
 
     def post(self, layer: nn.Module, args, output) -> None:
         if self.previous is not self._UNSET:
-            layer.base_layer.region_input, self.previous = self.previous, self._UNSET
+            set_region_input(layer.base_layer, self.previous)
+            self.previous = self._UNSET

@@ -10,8 +10,10 @@ from typing import List, Optional, TYPE_CHECKING
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from pipeline.context import Axis
+
 from ..layer.linear import ColumnParallelLinear
-from ..layer.region import enter_region
+from ..layer.region import enter_region, is_region_member, set_region_input
 from ..paths import match
 
 if TYPE_CHECKING:  # the plan's type only: plans import this room's vocabulary, not the reverse
@@ -20,13 +22,13 @@ if TYPE_CHECKING:  # the plan's type only: plans import this room's vocabulary, 
 __all__ = ["enter_tp_regions_once"]
 
 
-def enter_tp_regions_once(model: nn.Module, policy: Policy, group: ProcessGroup, sequence_dim: Optional[int]) -> None:
+def enter_tp_regions_once(model: nn.Module, policy: Policy, tp: Axis, sequence_dim: Optional[int]) -> None:
     """Hook the policy's `tp_input_regions` (base-relative patterns) that hold split-input modules.
 
     Args:
         model: the sharded model.
         policy: its policy.
-        group: the tp group.
+        tp: the tp axis.
         sequence_dim: the sequence dimension with split_gather sequence parallelism, else None.
     """
     prefix = policy.base_prefix
@@ -34,9 +36,9 @@ def enter_tp_regions_once(model: nn.Module, policy: Policy, group: ProcessGroup,
         rel = path[len(prefix):] if path.startswith(prefix) else None
         if rel is None or not any(match(p, rel) for p in policy.tp_input_regions):
             continue
-        members = [m for m in region.modules() if isinstance(m, ColumnParallelLinear) or hasattr(m, "region_input")]
+        members = [m for m in region.modules() if isinstance(m, ColumnParallelLinear) or is_region_member(m)]
         if members:
-            region.register_forward_pre_hook(_RegionEntry(members, group, sequence_dim), with_kwargs=True)
+            region.register_forward_pre_hook(_RegionEntry(members, tp.group, sequence_dim), with_kwargs=True)
             region.register_forward_hook(_RegionExit(members))
 
 
@@ -52,7 +54,7 @@ class _RegionEntry:
         x = args[0] if args else kwargs[key]
         region = enter_region(x, self.group, self.sequence_dim if module.training else None, self.members)
         for member in self.members:
-            member.region_input = region
+            set_region_input(member, region)
         if region.shard is None:
             return None
         if args:
@@ -68,4 +70,4 @@ class _RegionExit:
 
     def __call__(self, module, args, output):
         for member in self.members:
-            member.region_input = None
+            set_region_input(member, None)

@@ -9,7 +9,6 @@ import inspect
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-import torch.distributed as dist
 from torch import nn
 
 from .apply_styles import STYLE_TABLE, TPContext
@@ -29,10 +28,10 @@ class SplitHeadsArgument:
 
 
 def _split_heads_argument(module: nn.Module, style: SplitHeadsArgument, ctx: TPContext) -> Optional[nn.Module]:
-    heads, rank = getattr(module, style.heads), dist.get_rank(ctx.group)
-    if heads % ctx.tp_size:
-        raise ValueError(f"tp_size={ctx.tp_size} does not divide the {heads} heads of {type(module).__name__}.")
-    local = heads // ctx.tp_size
+    heads, rank = getattr(module, style.heads), ctx.tp.rank
+    if heads % ctx.tp.size:
+        raise ValueError(f"tp_size={ctx.tp.size} does not divide the {heads} heads of {type(module).__name__}.")
+    local = heads // ctx.tp.size
     names = list(inspect.signature(module.forward).parameters)
     where = {name: names.index(name) if name in names else None for name in style.arguments}
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from pipeline.context import Axis
 from shardformer.layer import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from shardformer.layer.spec import get_tp_spec, shard_parameter
 
@@ -30,6 +32,14 @@ def _sequence_dim(cls_name: str, seq_parallel_mode: Optional[str], seq_parallel_
     raise NotImplementedError(f"{cls_name}(seq_parallel_mode={seq_parallel_mode!r}): only None and 'split_gather' "
                               f"are supported here; other sequence-parallel modes run through HybridParallelPlugin's "
                               f"sequence_parallelism_mode.")
+
+
+def _axis(process_group: Optional[ProcessGroup]) -> Axis:
+    """The tp axis of the group ColossalAI code passes (None: its default, the whole world; one process without
+    torch.distributed: this process alone)."""
+    if process_group is not None:
+        return Axis.of_group("tp", process_group)
+    return Axis.of_group("tp", dist.group.WORLD) if dist.is_initialized() else Axis.alone("tp")
 
 
 def _check(cls_name: str, process_group: Any, skip_bias_add: bool, extra: dict) -> None:
@@ -75,7 +85,7 @@ class Linear1D_Col(_FromNativeLinear, ColumnParallelLinear):  # noqa: N801 (Colo
                  seq_parallel_mode: Optional[str] = None, seq_parallel_dim: int = 1, skip_bias_add: bool = False,
                  **speed_only: Any) -> None:
         _check("Linear1D_Col", process_group, skip_bias_add, speed_only)
-        super().__init__(in_features, out_features, process_group, bias=bias, gather_output=gather_output,
+        super().__init__(in_features, out_features, _axis(process_group), bias=bias, gather_output=gather_output,
                          device=device, dtype=dtype)
         self.sequence_dim = _sequence_dim("Linear1D_Col", seq_parallel_mode, seq_parallel_dim)
 
@@ -89,7 +99,7 @@ class Linear1D_Row(_FromNativeLinear, RowParallelLinear):  # noqa: N801 (Colossa
                  seq_parallel_mode: Optional[str] = None, seq_parallel_dim: int = 1, parallel_input: bool = True,
                  skip_bias_add: bool = False, **speed_only: Any) -> None:
         _check("Linear1D_Row", process_group, skip_bias_add, speed_only)
-        super().__init__(in_features, out_features, process_group, bias=bias, input_is_parallel=parallel_input,
+        super().__init__(in_features, out_features, _axis(process_group), bias=bias, input_is_parallel=parallel_input,
                          device=device, dtype=dtype)
         self.sequence_dim = _sequence_dim("Linear1D_Row", seq_parallel_mode, seq_parallel_dim)
 
@@ -102,7 +112,7 @@ class VocabParallelEmbedding1D(VocabParallelEmbedding):
                  process_group: Optional[ProcessGroup] = None, make_vocab_size_divisible_by: int = 64,
                  **speed_only: Any) -> None:
         _check("VocabParallelEmbedding1D", process_group, False, speed_only)
-        super().__init__(num_embeddings, embedding_dim, process_group, padding_idx=padding_idx,
+        super().__init__(num_embeddings, embedding_dim, _axis(process_group), padding_idx=padding_idx,
                          make_vocab_size_divisible_by=make_vocab_size_divisible_by, device=device, dtype=dtype)
 
     @classmethod

@@ -62,5 +62,32 @@ def _one_rank() -> None:
     torch.testing.assert_close(boosted(**batch).loss, reference(**batch).loss, atol=1e-5, rtol=1e-5)
 
 
-def test_attention_set_at_boost():
+def _gemini_compiled() -> None:
+    """GeminiPlugin(enable_jit_fused=True): its decoder layers run compiled (after fully_shard) and an AdamW step
+    equals one eager process."""
+    from booster_plugin import Booster, GeminiPlugin
+    reference = mu.build("llama_lm", 2)
+    model = mu.build("llama_lm", 2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    plugin = GeminiPlugin(enable_jit_fused=True)
+    assert plugin.speed == SpeedConfig(True, None, None)
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6))
+    torch._dynamo.utils.counters.clear()
+    batch = mu.make_batch("llama_lm", 2, 0)
+    loss = model(**batch).loss
+    booster.backward(loss, opt)
+    opt.step()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "no layer ran compiled"
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    ref_opt.step()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), atol=1e-5, rtol=1e-5)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.unwrap().state_dict().items()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_attention_set_at_boost_and_gemini_compiled():
     run_distributed(1, _one_rank)
+    run_distributed(1, _gemini_compiled)

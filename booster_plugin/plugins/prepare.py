@@ -11,12 +11,10 @@
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipeline import PipelineStageManager
@@ -36,11 +34,9 @@ from shardformer.shard_config import SequenceSplit
 from shardformer.sharder import ShardConfig, Sharder, ShardResult
 
 from ..core.activation_checkpoint import apply_activation_checkpointing
-from ..core.attention_choice import use_attention
-from ..core.fused_kernels import use_liger_norms
 from ..guards.batch_check import BatchLimits, DirectCallCheck, label_vocab_of, vocab_of
 from .config import PrecisionConfig, ShardingConfig
-from .speed import SpeedConfig
+from .speed import use_kernels
 from ..guards.failure import FailureGuard
 from ..core.lora import LoRAState, adapter_file_keys, materialize_adapters, split_peft_model
 from ..core.mixed_precision import DynamicLossScaler
@@ -146,7 +142,7 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
         # dropout masks the same across tp, not dp; drawn from the tracker, the script's global RNG is left alone
         rng_tracker.sync(ctx.tp.group, opts.sharding.seed + ctx.dp.rank)
     prove = prove_policy if isinstance(policy, ProvenPolicy) else None  # an inferred plan: proven on a twin first
-    _use_kernels(model, opts.sharding.speed, opts.device)
+    use_kernels(model, opts.sharding.speed, opts.device)
     sharder = Sharder(model, policy, shard_config_of(opts.sharding, ctx, stage_manager, rng_tracker), prove)
     if opts.sharding.custom_policy is not None:  # a plan written by hand: an entry matching nothing is a typo
         policy.check_plan()
@@ -168,17 +164,6 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
     if opts.sharding.speed.compile_layers:  # compiled at their first call, with everything above in place
         compile_layers(list(policy.layer_list()))
     return sharded
-
-
-def _use_kernels(model: nn.Module, speed: SpeedConfig, device: torch.device) -> None:
-    """The attention implementation and fused norms asked for, on the model instance before it is sharded (sequence
-    parallelism then wraps the chosen attention; the norms' parameters stay the same objects)."""
-    use_attention(model, speed.attn_implementation)
-    if speed.fused_kernels == "liger":
-        unfused = [name for name, by in use_liger_norms(model, device).items() if not by]
-        if unfused and dist.get_rank() == 0:
-            warnings.warn(f"fused_kernels='liger': no Liger kernel equals {unfused} on a test input; they run as "
-                          f"they are.", stacklevel=2)
 
 
 def _policy_of(model: nn.Module, opts: PrepareOptions, ctx: ParallelContext) -> Policy:

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from ..core.attention_choice import resolve_attention
-from ..core.fused_kernels import FUSED_KERNELS, liger_unusable
+from ..core.attention_choice import resolve_attention, use_attention
+from ..core.fused_kernels import FUSED_KERNELS, liger_unusable, use_liger_norms
 
-__all__ = ["SpeedConfig", "COLOSSALAI_SPEED_SWITCHES"]
+__all__ = ["SpeedConfig", "COLOSSALAI_SPEED_SWITCHES", "use_kernels"]
 
 COLOSSALAI_SPEED_SWITCHES = ("enable_all_optimization", "enable_fused_normalization", "enable_flash_attention",
                              "enable_jit_fused")
@@ -56,3 +58,14 @@ class SpeedConfig:
         if attn_implementation is None and (every or switches.get("enable_flash_attention")):
             attn_implementation = "auto"
         return cls(compiled, fused_kernels, resolve_attention(attn_implementation, device))
+
+
+def use_kernels(model: nn.Module, speed: SpeedConfig, device: torch.device) -> None:
+    """The attention implementation and fused norms asked for, on the model instance before it is sharded (sequence
+    parallelism then wraps the chosen attention; the norms' parameters stay the same objects)."""
+    use_attention(model, speed.attn_implementation)
+    if speed.fused_kernels == "liger":
+        unfused = [name for name, by in use_liger_norms(model, device).items() if not by]
+        if unfused and dist.get_rank() == 0:
+            warnings.warn(f"fused_kernels='liger': no Liger kernel equals {unfused} on a test input; they run as "
+                          f"they are.", stacklevel=2)

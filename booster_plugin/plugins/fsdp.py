@@ -122,8 +122,11 @@ class GeminiPlugin(FSDPPluginBase):
         enable_gradient_accumulation: either value; gradients always add up over backward passes until the step
             (Gemini needs True for that). The step clears them, as Gemini's does.
         tp_size: 1 only (tensor parallelism inside Gemini is refused: use HybridParallelPlugin(tp_size=...)).
+        enable_jit_fused, enable_fused_normalization, enable_flash_attention, enable_all_optimization: act as in
+            HybridParallelPlugin (plugins/speed.py): decoder layers compiled after fully_shard, Liger's norms (CUDA)
+            and the attention implementation set before it.
     Accepted, speed or memory only (a non-default value warns on rank 0): fsdp_args.GEMINI_UNACTED (chunk
-    configuration and placement, offload fractions, kernels, fp8).
+    configuration and placement, offload fractions, fp8).
     """
 
     model_class = GeminiModel  # state_dict(only_rank_0=...) as ColossalAI's GeminiDDP

@@ -20,6 +20,9 @@ stays eager is a graph break, each at a boundary of the layer's computation. Gra
 - pp: the last layer of a non-last stage has 1 more, its exit hook (after the layer's computation).
 - dropout > 0 under tp or sp: 2 more around each module on sharded activations (swapping the RNG state in and out
   is not traceable); without dropout the swap is skipped inside compiled code (layer/dropout.py).
+- activation checkpointing: traced into the layer's graph at a world of one (0 breaks); under tp the tp regions'
+  bookkeeping (module attributes set by their hooks) is a side effect dynamo refuses inside a checkpoint, so a
+  checkpointed layer runs eagerly there (exact, without the compiled speed).
 """
 from __future__ import annotations
 

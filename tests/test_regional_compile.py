@@ -37,3 +37,18 @@ def _cases() -> None:
 
 def test_compiled_layers_equal_one_process():
     run_distributed(4, _cases)
+
+
+def _checkpointed() -> None:
+    from booster_plugin.core.activation_checkpoint import GradientCheckpointConfig
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    mu.check_training("llama_lm", layers=2, steps=1, compile_layers=True,
+                      gradient_checkpoint_config=GradientCheckpointConfig(gradient_checkpointing_ratio=1.0))
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_compiled_checkpointed_layers_world_of_one():
+    """Activation checkpointing inside a compiled layer (world of one): traced into the graph, no break, exact."""
+    run_distributed(1, _checkpointed)

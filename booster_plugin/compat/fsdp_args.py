@@ -42,11 +42,7 @@ GEMINI_UNACTED: Dict[str, Unacted] = {
     "memstats": Unacted(None, False, ""),
     "enable_async_reduce": Unacted(True, False, ""),
     "verbose": Unacted(False, False, ""),
-    # shardformer kernels (ColossalAI applies them with tp_size > 1 only for sequence parallelism)
-    "enable_all_optimization": Unacted(False, False, "enable fused normalization, flash attention and JIT fusion"),
-    "enable_fused_normalization": Unacted(False, False, "use fused LayerNorm/RMSNorm kernels"),
-    "enable_flash_attention": Unacted(False, False, "use flash-attention kernels (the model's own attention runs)"),
-    "enable_jit_fused": Unacted(False, False, "JIT-fuse dropout/bias/residual additions"),
+    # (ColossalAI's kernel switches act: GeminiPlugin's signature, plugins/speed.py)
     "enable_sequence_parallelism": Unacted(False, False, ""),  # ColossalAI ignores it without tp
     "use_fp8": Unacted(False, False, "run linear layers in fp8 (ours run in the compute dtype)"),
     "fp8_communication": Unacted(False, False, "compress communication to fp8 (ours stays in its dtype)"),

@@ -9,7 +9,8 @@ tensor-parallel tracker's private per-rank state (dropout on split heads, shardf
 weight-gradient store a zbv forward binds its linear layers to (pipeline/split_backward.py):
 `_replaying_forward_state` replays the recomputation from the private state the forward started with (leaving the
 tracker's progression untouched, so masks are identical) and under the same store (so it saves what the forward
-saved).
+saved). Inside a compiled layer (regional compilation) without a store, and without dropout under tp, there is
+nothing to replay: the layer's forward is checkpointed as it is, and dynamo traces the checkpoint into the graph.
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
+import torch
 from torch import nn
 
 from pipeline.split_backward import bound_store, deferring
-from shardformer.layer.dropout import TPRNGTracker
+from shardformer.layer.dropout import TPRNGTracker, has_dropout
 
 
 @dataclass
@@ -57,6 +59,8 @@ def _calls_module(function: Callable, layer: nn.Module) -> bool:
 
 
 def _replaying_forward_state(checkpoint_fn: Callable, tracker: Optional[TPRNGTracker], layer: nn.Module) -> Callable:
+    dropping = has_dropout(layer)
+
     def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
         if _calls_module(function, layer):
             # the layer's hooks (a pipeline stage's entry substitutes the received input, its exit ends the stage)
@@ -75,6 +79,10 @@ def _replaying_forward_state(checkpoint_fn: Callable, tracker: Optional[TPRNGTra
         # are bound to (zbv, pipeline/split_backward.py): the recomputation must save what the forward saved
         forward_state = tracker.local_states if tracker is not None else None
         store = bound_store()
+        if torch.compiler.is_compiling() and store is None and not (tracker is not None and dropping):
+            # a compiled layer (regional compilation): nothing to replay, and the compiled backward recomputes from
+            # its own graph (the bookkeeping below is Python state a traced checkpoint may not mutate)
+            return checkpoint_fn(function, *args, **kwargs)
         calls = []
 
         def run(*a: Any, **k: Any) -> Any:

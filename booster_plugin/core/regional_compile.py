@@ -2,10 +2,28 @@
 in place with torch's `nn.Module.compile` (torch.compile of the module's call, its hooks included), after sharding
 and activation checkpointing, as torchtitan compiles per block. Layers of one class share the compiled code (dynamo
 inlines nn.Module instances, whose parameters become graph inputs), so compile time is paid once per distinct layer
-class and input shape. The collectives inside a layer (tensor parallel's sums and gathers, sequence parallelism's
-exchanges) run in our autograd functions, which dynamo does not trace: they are graph breaks, and the compiled graphs
-are the computation between them. Off by default: compilation costs tens of seconds per layer class on a CPU and
-changes results only by float reassociation (~1e-8 in fp32)."""
+class and input shape. Off by default: compilation costs seconds to tens of seconds per layer class on a CPU and
+changes results only by float reassociation (~1e-8 in fp32).
+
+Collectives inside a compiled layer are traced into its graph: tensor parallelism's sums and gathers and sequence
+parallelism's all-gathers, reduce-scatters and all-to-alls run as torch's functional collectives there
+(shardformer/layer/comm_traced.py; gloo on CPU, NCCL on CUDA), eager code keeps its own (layer/comm.py). What
+stays eager is a graph break, each at a boundary of the layer's computation. Graph breaks per decoder layer
+(Llama / Qwen3-MoE, fp32, no dropout; tests/test_regional_compile.py asserts no others):
+
+- world of one, tp=2, split_gather sp (tp=2), all_to_all sp (sp=2): 0 (one graph per layer).
+- ring_attn sp: 1, the ring attention call (its point-to-point ring and mask analysis run eagerly between the
+  graph before it (norm, projections, rotary) and the one after (output projection, MLP)).
+- ep: 2 break sites: the expert exchange's dispatch hook (all-to-alls whose row counts depend on the routing; its
+  combine hook is eager too) and transformers' own router-logit capture (a ContextVar read, which breaks at a
+  world of one too).
+- pp: the last layer of a non-last stage has 1 more, its exit hook (after the layer's computation).
+- dropout > 0 under tp or sp: 2 more around each module on sharded activations (swapping the RNG state in and out
+  is not traceable); without dropout the swap is skipped inside compiled code (layer/dropout.py).
+- activation checkpointing: traced into the layer's graph at a world of one (0 breaks); under tp the tp regions'
+  bookkeeping (module attributes set by their hooks) is a side effect dynamo refuses inside a checkpoint, so a
+  checkpointed layer runs eagerly there (exact, without the compiled speed).
+"""
 from __future__ import annotations
 
 from typing import Sequence

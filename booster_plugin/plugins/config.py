@@ -26,9 +26,10 @@ from shardformer.sequence.parallel import SEQUENCE_PARALLEL_MODES, resolve_mode
 
 from ..core.activation_checkpoint import GradientCheckpointConfig
 from ..compat.colossal_args import check_unacted_args
-from ..guards.launch import DEFAULT_TIMEOUT_S, alias, check_int
+from ..guards.launch import DEFAULT_TIMEOUT_S, alias, check_int, default_device
 from ..core.mixed_precision import LossScalerConfig
 from ..compat.v_schedule import fingerprint, schedule_from_nodes
+from .speed import COLOSSALAI_SPEED_SWITCHES, SpeedConfig
 
 __all__ = ["PRECISIONS", "MeshConfig", "PipelineConfig", "ShardingConfig", "PrecisionConfig", "PluginConfig"]
 
@@ -139,7 +140,7 @@ class ShardingConfig:
     gradient_checkpoint_config: Optional[GradientCheckpointConfig]
     chunked_loss: bool                # the causal-LM loss in chunks, without the full logits, in training
     loss_chunk_size: Optional[int]    # tokens per chunk (None: chosen from the shapes)
-    compile_layers: bool              # each held decoder layer compiled (core/regional_compile.py)
+    speed: SpeedConfig                # compiled layers, fused kernels, attention implementation (speed.py)
 
     @classmethod
     def build(cls, tp_size: int, pp_size: int, custom_policy: Any, parallel_output: bool,
@@ -147,7 +148,7 @@ class ShardingConfig:
               sequence_parallelism_mode: Optional[str], sp_size: Optional[int], seed: int,
               gradient_checkpoint_config: Optional[GradientCheckpointConfig], chunked_loss: Optional[bool] = None,
               loss_chunk_size: Optional[int] = None, enable_all_optimization: bool = False,
-              compile_layers: bool = False) -> "ShardingConfig":
+              speed: Optional[SpeedConfig] = None) -> "ShardingConfig":
         if gradient_checkpoint_config is not None:
             gradient_checkpoint_config.check(pp_size)
         sp = resolve_mode(enable_sequence_parallelism, sequence_parallelism_mode, sp_size, tp_size, _rank())
@@ -158,7 +159,8 @@ class ShardingConfig:
                              "drop one of them.")
         policy = as_policy(custom_policy)  # ours as is, Parallelformers-style translated, else TypeError
         return cls(policy, parallel_output, make_vocab_size_divisible_by, sp.mode, sp.size, seed,
-                   gradient_checkpoint_config, chunked_loss is not False, loss_chunk_size, bool(compile_layers))
+                   gradient_checkpoint_config, chunked_loss is not False, loss_chunk_size,
+                   speed if speed is not None else SpeedConfig(False, None, None))
 
 
 @dataclass(frozen=True)
@@ -212,11 +214,13 @@ class PluginConfig:
             pp_size, a["num_microbatches"], a["microbatch_size"], a["pp_style"], a["num_model_chunks"],
             a["num_layers_per_stage"], a["p2p_transport"], a["enable_metadata_cache"], a["pp_schedule_costs"],
             a["scheduler_nodes"], a["trace"], a["loss_weight_fn"])
+        speed = SpeedConfig.build(a["compile_layers"], a["fused_kernels"], a["attn_implementation"],
+                                  {k: a[k] for k in COLOSSALAI_SPEED_SWITCHES}, default_device(), _rank())
         sharding = ShardingConfig.build(
             tp_size, pp_size, a["custom_policy"], a["parallel_output"], a["make_vocab_size_divisible_by"],
             a["enable_sequence_parallelism"], a["sequence_parallelism_mode"], a["sp_size"], a["seed"],
             a["gradient_checkpoint_config"], a["chunked_loss"], a["loss_chunk_size"],
-            bool(colossalai_kwargs.get("enable_all_optimization", False)), a["compile_layers"])
+            bool(a["enable_all_optimization"]), speed)
         return cls(mesh, pipeline, sharding, precision, bool(a["check_batches"]))
 
     def agreement(self) -> Dict[str, int]:

@@ -31,8 +31,10 @@ from ..fsdp.optimizer import FSDPOptimizerWrapper, GeminiOptimizer
 from ..fsdp.shard import (decoder_layers, make_mesh, parameter_names, policy_targets, prepare_replicas,
                          rebind_optimizer, shard_model)
 from ..guards.launch import DEFAULT_TIMEOUT_S, default_device, ensure_distributed
+from ..core.regional_compile import compile_layers
 from ..guards.optimizer_guard import guard_parameters
 from .base import DPPluginBase
+from .speed import COLOSSALAI_SPEED_SWITCHES, SpeedConfig, use_kernels
 
 __all__ = ["FSDPPluginBase", "GeminiPlugin", "TorchFSDPPlugin"]
 
@@ -48,8 +50,9 @@ class FSDPPluginBase(DPPluginBase):
 
     def __init__(self, layout: ShardLayout, mp_policy: MixedPrecisionPolicy,
                  root_mp_policy: Optional[MixedPrecisionPolicy] = None, offload_policy: Optional[OffloadPolicy] = None,
-                 wrap_policy: Optional[Callable] = None) -> None:
+                 wrap_policy: Optional[Callable] = None, speed: Optional[SpeedConfig] = None) -> None:
         self.device = default_device()
+        self.speed = speed if speed is not None else SpeedConfig(False, None, None)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if layout.replicate * layout.shard != self.world_size:
             raise ValueError(f"{type(self).__name__}: {layout.replicate} replicas x {layout.shard} shards do not "
@@ -76,8 +79,11 @@ class FSDPPluginBase(DPPluginBase):
             raise ValueError("The model is already boosted (an FSDPModel): boost the original model once.")
         names = parameter_names(model)
         model = prepare_replicas(model, self.device)
+        use_kernels(model, self.speed, self.device)
         layers = policy_targets(model, self.wrap_policy) if self.wrap_policy is not None else decoder_layers(model)
         shard_model(model, layers, self.mesh, self.layout, self.mp_policy, self.root_mp_policy, self.offload_policy)
+        if self.speed.compile_layers:  # after fully_shard: its hooks stay at the compiled layers' boundaries
+            compile_layers(layers)
         boosted = self.model_class(model)
         guard_parameters(model)  # an optimizer that skips boost is refused at its step, as HybridParallelPlugin's
         if optimizer is not None and not isinstance(optimizer, FSDPOptimizerWrapper):
@@ -116,8 +122,11 @@ class GeminiPlugin(FSDPPluginBase):
         enable_gradient_accumulation: either value; gradients always add up over backward passes until the step
             (Gemini needs True for that). The step clears them, as Gemini's does.
         tp_size: 1 only (tensor parallelism inside Gemini is refused: use HybridParallelPlugin(tp_size=...)).
+        enable_jit_fused, enable_fused_normalization, enable_flash_attention, enable_all_optimization: act as in
+            HybridParallelPlugin (plugins/speed.py): decoder layers compiled after fully_shard, Liger's norms (CUDA)
+            and the attention implementation set before it.
     Accepted, speed or memory only (a non-default value warns on rank 0): fsdp_args.GEMINI_UNACTED (chunk
-    configuration and placement, offload fractions, kernels, fp8).
+    configuration and placement, offload fractions, fp8).
     """
 
     model_class = GeminiModel  # state_dict(only_rank_0=...) as ColossalAI's GeminiDDP
@@ -138,6 +147,7 @@ class GeminiPlugin(FSDPPluginBase):
                  enable_async_reduce: bool = True, use_fp8: bool = False, verbose: bool = False,
                  fp8_communication: bool = False) -> None:
         unacted = {k: v for k, v in locals().items() if k in GEMINI_UNACTED}
+        switches = {k: v for k, v in locals().items() if k in COLOSSALAI_SPEED_SWITCHES}
         dtype = _gemini_dtype(precision, master_weights, max_norm, norm_type, tp_size)
         scaler = LossScalerConfig(initial_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
                                   min_scale, max_scale)
@@ -154,7 +164,9 @@ class GeminiPlugin(FSDPPluginBase):
         layer_mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if half else None)
         root_mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if half else None,
                                        output_dtype=torch.float32 if half and force_outputs_fp32 else None)
-        super().__init__(ShardLayout(extra_dp_size, world // extra_dp_size, shard_param_frac > 0), layer_mp, root_mp)
+        speed = SpeedConfig.build(False, None, None, switches, default_device(), dist.get_rank())
+        super().__init__(ShardLayout(extra_dp_size, world // extra_dp_size, shard_param_frac > 0), layer_mp, root_mp,
+                         speed=speed)
         self.precision, self.max_norm, self.norm_type = precision, max_norm, norm_type
         self.scaler_config = scaler if precision == "fp16" else None
         self.tp_size, self.extra_dp_size, self.zero_size = tp_size, extra_dp_size, world // extra_dp_size

@@ -89,7 +89,16 @@ class HybridParallelPlugin(HybridPluginBase):
         trace: record a timeline of the schedule (also HP_TRACE=1).
         loss_weight_fn: `micro_batch -> number of loss items`, for a token-weighted loss.
         compile_layers: compile each decoder layer this rank holds with torch.compile (regional compilation,
-            core/regional_compile.py; off by default: tens of seconds of compile per layer class).
+            core/regional_compile.py; off by default: seconds to tens of seconds of compile per layer class).
+        fused_kernels: "liger": the model's RMSNorm/LayerNorm modules replaced by Liger-Kernel's (CUDA, liger_kernel
+            installed; refused elsewhere); None (default): the model's own. core/fused_kernels.py.
+        attn_implementation: set on the model before sharding (transformers' name: "sdpa", "flash_attention_2",
+            "eager", ...; "auto": flash_attention_2 where installed on CUDA, else sdpa); None (default): the
+            model's own. core/attention_choice.py.
+        enable_all_optimization, enable_fused_normalization, enable_flash_attention, enable_jit_fused: ColossalAI's
+            switches, mapped onto ours (plugins/speed.py): jit_fused -> compile_layers; fused_normalization ->
+            fused_kernels="liger" where Liger runs, else compile_layers; flash_attention -> attn_implementation=
+            "auto"; all_optimization -> all of them and the chunked loss.
         timeout: seconds a collective may wait before every rank fails (the process groups' timeout; default 600,
             `launch.DEFAULT_TIMEOUT_S`; a world group the script initialized itself keeps its own unless given).
         on_nonfinite: inf/nan gradients at `optimizer.step()` (detected by one all-reduced flag): "skip" the step
@@ -121,6 +130,9 @@ class HybridParallelPlugin(HybridPluginBase):
                  gradient_checkpoint_config: Optional[GradientCheckpointConfig] = None, compile_layers: bool = False,
                  ep_size: int = 1, dp_outside: bool = True, chunked_loss: Optional[bool] = None,
                  loss_chunk_size: Optional[int] = None, tp: Optional[int] = None, pp: Optional[int] = None,
+                 fused_kernels: Optional[str] = None, attn_implementation: Optional[str] = None,
+                 enable_all_optimization: bool = False, enable_fused_normalization: bool = False,
+                 enable_flash_attention: bool = False, enable_jit_fused: bool = False,
                  **colossalai_kwargs: Any) -> None:
         # every check before the first collective, so that bad input fails the same way on every rank
         args = {k: v for k, v in locals().items() if k not in ("self", "colossalai_kwargs")}

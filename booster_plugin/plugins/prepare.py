@@ -36,6 +36,7 @@ from shardformer.sharder import ShardConfig, Sharder, ShardResult
 from ..core.activation_checkpoint import apply_activation_checkpointing
 from ..guards.batch_check import BatchLimits, DirectCallCheck, label_vocab_of, vocab_of
 from .config import PrecisionConfig, ShardingConfig
+from .speed import use_kernels
 from ..guards.failure import FailureGuard
 from ..core.lora import LoRAState, adapter_file_keys, materialize_adapters, split_peft_model
 from ..core.mixed_precision import DynamicLossScaler
@@ -141,6 +142,7 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
         # dropout masks the same across tp, not dp; drawn from the tracker, the script's global RNG is left alone
         rng_tracker.sync(ctx.tp.group, opts.sharding.seed + ctx.dp.rank)
     prove = prove_policy if isinstance(policy, ProvenPolicy) else None  # an inferred plan: proven on a twin first
+    use_kernels(model, opts.sharding.speed, opts.device)
     sharder = Sharder(model, policy, shard_config_of(opts.sharding, ctx, stage_manager, rng_tracker), prove)
     if opts.sharding.custom_policy is not None:  # a plan written by hand: an entry matching nothing is a typo
         policy.check_plan()
@@ -159,7 +161,7 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
         cast_to_compute_dtype(model, _DTYPES[opts.precision.precision])  # rotary tables stay fp32
     sharder.materialize(opts.device)  # lazy init: a model built on the meta device gets only this rank's shard
     model.to(opts.device)
-    if opts.sharding.compile_layers:  # compiled at their first call, with everything above in place
+    if opts.sharding.speed.compile_layers:  # compiled at their first call, with everything above in place
         compile_layers(list(policy.layer_list()))
     return sharded
 

@@ -119,6 +119,9 @@ class _Exchange:
     positions: Dict[str, int]
     pending: List[_Route] = field(default_factory=list)
 
+    # eager inside a compiled layer (regional compilation): the exchange's row counts depend on the routing (data):
+    # each hook is one graph break
+    @torch.compiler.disable
     def dispatch(self, module: nn.Module, args: tuple, kwargs: dict):
         args, kwargs = list(args), dict(kwargs)
         hidden, index, weights = (_take(args, kwargs, name, pos) for name, pos in self.positions.items())
@@ -144,6 +147,7 @@ class _Exchange:
             _put(args, kwargs, name, pos, values[key])
         return tuple(args), kwargs
 
+    @torch.compiler.disable
     def combine(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
         route = self.pending.pop()
         rows = sum(route.recv_counts)

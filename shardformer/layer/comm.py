@@ -15,6 +15,9 @@ and this is one send/receive per round where gloo's ring takes two steps per pee
 1 MiB on two ranks). Larger tensors are bandwidth bound, where gloo's ring moves half as much per rank (measured at
 two ranks: equal at 2 MiB, 4 MiB 3.2 vs 6.3 ms, 25 MiB 18.9 vs 23.6 ms), so they all-reduce, as other backends
 (NCCL) always do. Every rank ends with the same bits (IEEE addition commutes: a + b == b + a).
+
+Under torch.compile (regional compilation) the public autograd ops below run comm_traced.py's versions instead:
+the same collectives through torch's functional collectives, which dynamo traces into the compiled graph.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+from . import comm_traced as traced
 
 __all__ = [
     "get_tp_world_size",
@@ -238,37 +243,65 @@ class _AllToAll(torch.autograd.Function):
 
 def copy_to_tp(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """Enter a TP region: identity forward, gradient summed over the group."""
-    return x if get_tp_world_size(group) == 1 else _CopyToTP.apply(x, group)
+    if get_tp_world_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return traced.copy_to_tp(x, group)
+    return _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """Leave a TP region by summing partial results over the group; gradient passes through."""
-    return x if get_tp_world_size(group) == 1 else _ReduceFromTP.apply(x, group)
+    if get_tp_world_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return traced.reduce_from_tp(x, group)
+    return _ReduceFromTP.apply(x, group)
 
 
 def gather_from_tp(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Concatenate every rank's shard along `dim`; the gradient is split back."""
-    return x if get_tp_world_size(group) == 1 else _AlongDim.apply(x, dim, group, all_gather_along, _own_chunk)
+    if get_tp_world_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return traced.gather_from_tp(x, dim, group)
+    return _AlongDim.apply(x, dim, group, all_gather_along, _own_chunk)
 
 
 def split_to_tp(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Keep this rank's equal chunk along `dim`; the gradient is gathered back."""
-    return x if get_tp_world_size(group) == 1 else _AlongDim.apply(x, dim, group, _own_chunk, all_gather_along)
+    if get_tp_world_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return traced.split_to_tp(x, dim, group)
+    return _AlongDim.apply(x, dim, group, _own_chunk, all_gather_along)
 
 
 def gather_from_sequence(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Enter a tp region from a sequence shard (split_gather sequence parallelism): the full sequence, gathered
     along `dim`; the gradient is reduce-scattered back to the shards."""
-    return x if get_tp_world_size(group) == 1 else _AlongDim.apply(x, dim, group, all_gather_along, _reduce_scatter_along)
+    if get_tp_world_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return traced.gather_from_sequence(x, dim, group)
+    return _AlongDim.apply(x, dim, group, all_gather_along, _reduce_scatter_along)
 
 
 def reduce_scatter_to_sequence(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Leave a tp region into a sequence shard: partial results summed over the group, each rank keeping its chunk
     along `dim`; the gradient is all-gathered."""
-    return x if get_tp_world_size(group) == 1 else _AlongDim.apply(x, dim, group, _reduce_scatter_along, all_gather_along)
+    if get_tp_world_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return traced.reduce_scatter_to_sequence(x, dim, group)
+    return _AlongDim.apply(x, dim, group, _reduce_scatter_along, all_gather_along)
 
 
 def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup | None) -> Tensor:
     """Exchange chunks: split along `scatter_dim`, concatenate along `gather_dim` (Ulysses: heads for sequence);
     the gradient takes the reverse exchange."""
-    return x if get_tp_world_size(group) == 1 else _AllToAll.apply(x, scatter_dim, gather_dim, group)
+    if get_tp_world_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return traced.all_to_all(x, scatter_dim, gather_dim, group)
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group)

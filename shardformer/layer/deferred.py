@@ -14,6 +14,9 @@ The weight gradients still leave through autograd (the entry's backward returns 
 Schedules that split the backward themselves (zbv: input gradients now, weight gradients later, by
 pipeline/split_backward.py) turn this off and route every linear layer through that split instead
 (layer/split_weight_grads.py).
+
+Compiled layers (regional compilation) do not defer: the store is Python state their backward graph cannot hold,
+and the compiled backward schedules the weight-gradient matmuls and the sum itself.
 """
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ def enter_deferring(x: Tensor, group: Optional[ProcessGroup], layers: Sequence[n
                     ) -> Tuple[Tensor, Optional[Deferring]]:
     """The region input as its column layers read it, and those of `layers` that defer (trainable weights,
     gradients enabled) with their store; None when none does (then the caller enters the region plainly)."""
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # compiled: the graph orders the work itself
         return x, None
     deferring = tuple(m for m in layers if getattr(m, "defer_weight_grad", False) and m.weight.requires_grad
                       and (m.bias is None or m.bias.requires_grad))

@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .comm import get_tp_rank, get_tp_world_size
 
-__all__ = ["TPRNGTracker", "wrap_model_forward_in_tracker_rng", "wrap_module_forward_in_local_rng",
+__all__ = ["TPRNGTracker", "has_dropout", "wrap_model_forward_in_tracker_rng", "wrap_module_forward_in_local_rng",
            "wrap_module_forward_in_shared_rng"]
 
 _LOCAL_SEED_OFFSET = 2718
@@ -167,15 +167,33 @@ def wrap_model_forward_in_tracker_rng(model: nn.Module, tracker: TPRNGTracker) -
     return model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)
 
 
+def has_dropout(module: nn.Module) -> bool:
+    """Does `module` hold a dropout with a positive probability (an nn.Dropout, or a float `*dropout*` attribute
+    as transformers' attentions keep `attention_dropout`)?"""
+    return any(isinstance(value, float) and value > 0 and "dropout" in name
+               for m in module.modules() for name, value in vars(m).items()) or \
+        any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
+
+
+def _swaps(mod: nn.Module, dropping: bool) -> bool:
+    """Must the RNG state be swapped around `mod`'s forward? Always in eager; inside a compiled region (where
+    reading and setting torch's RNG state is a graph break) only when it draws random numbers: in training, with a
+    dropout (as held when the hooks were installed)."""
+    return not torch.compiler.is_compiling() or (mod.training and dropping)
+
+
 def wrap_module_forward_in_local_rng(module: nn.Module, tracker: TPRNGTracker) -> tuple[RemovableHandle, ...]:
     """Run `module`'s forward under the tracker's per-rank RNG state (pre-hook enters, post-hook exits; the exit runs
     before the module's other forward hooks, one of which may end a pipeline stage's forward by raising)."""
+    dropping = has_dropout(module)
 
     def enter(mod: nn.Module, args: tuple) -> None:
-        tracker.enter_local()
+        if _swaps(mod, dropping):
+            tracker.enter_local()
 
     def leave(mod: nn.Module, args: tuple, output: object) -> None:
-        tracker.exit_local()
+        if _swaps(mod, dropping):
+            tracker.exit_local()
 
     return module.register_forward_pre_hook(enter), module.register_forward_hook(leave, prepend=True)
 
@@ -183,11 +201,14 @@ def wrap_module_forward_in_local_rng(module: nn.Module, tracker: TPRNGTracker) -
 def wrap_module_forward_in_shared_rng(module: nn.Module, tracker: TPRNGTracker) -> tuple[RemovableHandle, ...]:
     """Run `module`'s forward under the shared default state even inside a local-RNG module (e.g. GPT-2's
     `resid_dropout`, which acts on the replicated output of the attention block)."""
+    dropping = has_dropout(module)
 
     def enter(mod: nn.Module, args: tuple) -> None:
-        tracker.enter_shared()
+        if _swaps(mod, dropping):
+            tracker.enter_shared()
 
     def leave(mod: nn.Module, args: tuple, output: object) -> None:
-        tracker.exit_shared()
+        if _swaps(mod, dropping):
+            tracker.exit_shared()
 
     return module.register_forward_pre_hook(enter), module.register_forward_hook(leave)

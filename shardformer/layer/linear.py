@@ -6,7 +6,8 @@ the sharded model's state_dict keys stay the Hugging Face ones.
 With `sequence_dim` set (split_gather sequence parallelism, in training mode) the input of a column layer is this
 rank's sequence shard: it is all-gathered along that dimension, and only the shard is kept for backward, which
 gathers it again (as Megatron-LM does), so the saved activation is 1/tp of the full one. A row layer then
-reduce-scatters its output along the sequence instead of all-reducing it.
+reduce-scatters its output along the sequence instead of all-reducing it. Inside a compiled layer (regional
+compilation) the compiled graph decides what its backward keeps (the gathered input, or its recomputation).
 """
 from __future__ import annotations
 
@@ -185,6 +186,10 @@ class ColumnParallelLinear(OnAxis, UnshardedStateDict, nn.Module):
         return self.gather(out) if self.gathers_output else out
 
     def _forward_on_sequence_shard(self, x: Tensor, region) -> Tensor:
+        if torch.compiler.is_compiling():  # the graph saves what its backward needs (SequenceShard is Python state)
+            gathered = region is not None and region.shard is not None
+            full = x if gathered else gather_from_sequence(x, self.sequence_dim, self.tp_group)
+            return linear(full, self.weight, self.bias, self.is_conv1d)
         if region is not None and region.shard is not None:  # the region gathered it once for all
             (shard, source), full = region.shard, x
         else:  # `x` is a sequence shard: gather it here

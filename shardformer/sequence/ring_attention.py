@@ -255,6 +255,9 @@ class RingAttention:
         if self.documents not in _MODES:
             raise ValueError(f"RingAttention(documents=...) is one of {_MODES}; got {self.documents!r}.")
 
+    # eager inside a compiled layer (regional compilation): its point-to-point ring and its mask analysis (data
+    # dependent, cached by tensor identity) are one graph break between the layer's compiled graphs
+    @torch.compiler.disable
     def __call__(self, module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
                  scaling: Optional[float] = None, dropout: float = 0.0, sliding_window: Optional[int] = None,
                  **kwargs: Any) -> Tuple[Tensor, None]:

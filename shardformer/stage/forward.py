@@ -211,6 +211,7 @@ class StageForward:
             return (value, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": value}
 
+    @torch.compiler.disable  # eager after a compiled layer (regional compilation): it ends the forward by raising
     def _exit_hook(self, module, args, output):
         if self._armed is module:  # disarmed during activation recomputation, which re-runs the layer in backward
             self._armed = None

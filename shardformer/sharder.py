@@ -1,14 +1,17 @@
-"""Sharder: applies a policy to a model in place as an ordered list of steps (Sharder.STEPS: check and prove, release
-what this pipeline stage does not hold, tensor parallel, expert parallel, sequence parallel) and returns what the
-runtime needs to drive the stage (ShardResult). What follows sharding (split backward, activation checkpointing,
+"""Sharding as data: an ordered tuple of module-level transforms (TRANSFORMS: check and prove, release what this
+pipeline stage does not hold, tensor parallel, expert parallel, sequence parallel, chunked loss), each
+`(model, policy, ctx, done) -> ShardResult`, torchtitan's `parallelize_*` style: `ctx` (ShardContext) is passed down
+unchanged, `done` is what the transforms before it produced, and each returns it with its own fields filled. `shard`
+folds them in order into one typed ShardResult. What follows sharding (split backward, activation checkpointing,
 compute dtype, materialization) is booster_plugin's prepare_model, in its own ordered steps."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 
+from .chunked_loss import ChunkedLoss, use_chunked_loss
 from .expert.sharding import check_expert_parallel, refuse_sequence_parallelism, shard_experts
 from .layer.dropout import (wrap_model_forward_in_tracker_rng, wrap_module_forward_in_local_rng,
                             wrap_module_forward_in_shared_rng)
@@ -16,7 +19,6 @@ from .layer.spec import get_tp_spec
 from .materialize import materialize
 from .paths import match
 from .policies.base import Policy
-from .chunked_loss import ChunkedLoss, use_chunked_loss
 from .sequence.loss import HeadOnShard
 from .sequence.parallel import (SEQUENCE_DIM, SequenceSpan, apply_sequence_parallelism, check_sequence_parallelism,
                                 inside_layers, sequence_span)
@@ -28,12 +30,19 @@ from .tensor.lora_sharding import check_lora_layers
 from .tensor.regions import enter_tp_regions_once
 from .tensor.styles import ParallelStyle
 
-__all__ = ["ShardConfig", "ShardResult", "Sharder"]
+__all__ = ["ShardConfig", "ShardContext", "ShardResult", "Sharder", "TRANSFORMS", "bind", "shard"]
 
 
-@dataclass
+@dataclass(frozen=True)
+class ShardContext:
+    """What every transform reads besides the model and its plan, passed down unchanged."""
+    config: ShardConfig
+    prove: Optional[Callable[[Policy], None]] = None  # run on the bound policy before anything changes
+
+
+@dataclass(frozen=True)
 class ShardResult:
-    """What sharding produced, for the runtime: filled by the steps in order (Sharder.STEPS)."""
+    """What sharding produced, for the runtime: each field filled by one transform of TRANSFORMS."""
     shared: List[Dict[int, str]] = field(default_factory=list)  # [{stage: name of a parameter shared by stages}]
     stage_forward: Optional[StageForward] = None                # runs this rank's chunks (None without pp)
     expert_params: List[str] = field(default_factory=list)      # parameters holding this rank's experts only
@@ -43,178 +52,217 @@ class ShardResult:
     tied: List[List[str]] = field(default_factory=list)         # names of parameters that were one before tp
 
 
+Transform = Callable[[nn.Module, Policy, ShardContext, ShardResult], ShardResult]
+
+
+def bind(model: nn.Module, policy: Policy, cfg: ShardConfig) -> None:
+    """ColossalAI's policy setters, the compatibility surface user-written policies rely on: the policy reads the
+    (unsharded) model and the stage layout through them."""
+    policy.set_model(model)
+    policy.set_shard_config(cfg)
+    policy.set_pipeline_stage_manager(cfg.pipeline_stage_manager)
+
+
+def shard(model: nn.Module, policy: Policy, ctx: ShardContext) -> ShardResult:
+    """Shard `model` in place by the bound `policy`: the transforms of TRANSFORMS, in that order."""
+    done = ShardResult()
+    for transform in TRANSFORMS:
+        done = transform(model, policy, ctx, done)
+    return done
+
+
+# -- the transforms --------------------------------------------------------------------------------------------
+def check_and_prove(model: nn.Module, policy: Policy, ctx: ShardContext, done: ShardResult) -> ShardResult:
+    """On the unsharded model, every rank alike, before any collective: the plan fits the model and the layout;
+    a plan that must be proven is proven. Reads what later transforms need from the unsharded model."""
+    cfg, span = ctx.config, None
+    policy.check_paths()
+    policy.check_tp(getattr(model, "config", None), cfg.tp_size)  # (any module: tp=1)
+    if ctx.prove is not None:
+        ctx.prove(policy)
+    if cfg.sp_mode is not None:
+        refuse_sequence_parallelism(model, _plan_style(policy, cfg), cfg.sp_mode)
+        check_sequence_parallelism(policy, cfg.sp_mode, model.config, cfg.tp_size, _sp_size(cfg))
+        span = sequence_span(policy)
+    if cfg.tp_size > 1:
+        check_lora_layers(model, _style_of(policy, cfg))
+    if cfg.ep_size > 1:
+        check_expert_parallel(model, _plan_style(policy, cfg), cfg.ep_size)
+    return replace(done, span=span, tied=_tied_names(model))
+
+
+def release_this_stage(model: nn.Module, policy: Policy, ctx: ShardContext, done: ShardResult) -> ShardResult:
+    """Pipeline: keep this rank's stage only, by the policy's own hook (encoder-decoder) or stage/release.py."""
+    sm = ctx.config.pipeline_stage_manager
+    if sm is None:
+        return done
+    shared = policy.shared_param_names()
+    hook = policy.release_unheld_layers
+    return replace(done, shared=shared, stage_forward=hook() if hook is not None else release_unheld(model, policy, sm))
+
+
+def tensor_parallel(model: nn.Module, policy: Policy, ctx: ShardContext, done: ShardResult) -> ShardResult:
+    """Replace the planned modules with tensor-parallel ones; re-tie, enter regions once, divide attributes,
+    draw dropout from the tracker."""
+    cfg = ctx.config
+    if cfg.tp_size == 1:
+        return done
+    apply_styles(TPContext(model, cfg.tp, cfg.make_vocab_size_divisible_by, cfg.parallel_output, cfg.rng_tracker),
+                 _style_of(policy, cfg))
+    _retie(model, done.tied)
+    enter_tp_regions_once(model, policy, cfg.tp, SEQUENCE_DIM if cfg.sp_mode == "split_gather" else None)
+    _change_attributes(model, policy, cfg)
+    _use_tracker_rng(model, policy, cfg)
+    return done
+
+
+def expert_parallel(model: nn.Module, policy: Policy, ctx: ShardContext, done: ShardResult) -> ShardResult:
+    """After the tp split (its hooks run inside the exchange), before sequence parallelism's gradient sums
+    (which must see the kept experts only)."""
+    if ctx.config.ep_size == 1:
+        return done
+    return replace(done, expert_params=shard_experts(model, _plan_style(policy, ctx.config), ctx.config.ep))
+
+
+def sequence_parallel(model: nn.Module, policy: Policy, ctx: ShardContext, done: ShardResult) -> ShardResult:
+    cfg = ctx.config
+    seq = cfg.sequence
+    if seq is None:
+        return done
+    head = apply_sequence_parallelism(model, policy, done.span, seq.mode, seq.axis, own_group=seq.own_group,
+                                      parallel_output=cfg.parallel_output)
+    return replace(done, sequence_head=head)
+
+
+def chunked_loss(model: nn.Module, policy: Policy, ctx: ShardContext, done: ShardResult) -> ShardResult:
+    """Last: its hooks run after those of tensor and sequence parallelism."""
+    cfg = ctx.config
+    if not cfg.chunked_loss:
+        return done
+    return replace(done, chunked_loss=use_chunked_loss(model, cfg.loss_chunk_size, done.sequence_head))
+
+
+TRANSFORMS: Tuple[Transform, ...] = (check_and_prove, release_this_stage, tensor_parallel, expert_parallel,
+                                     sequence_parallel, chunked_loss)
+
+
 class Sharder:
-    """Applies `policy` to `model` in place, as `shard_config` says: the steps of STEPS, in that order."""
+    """ColossalAI's name for the runner: binds `policy` to `model` and `shard_config`, shards by TRANSFORMS."""
 
     def __init__(self, model: nn.Module, policy: Policy, shard_config: ShardConfig,
                  prove: Optional[Callable[[Policy], None]] = None) -> None:
         """`prove`: run on the bound policy after the checks, before anything changes (prove.prove_policy for a
         ProvenPolicy; it raises PlanRefused on every rank alike)."""
-        self.model = model
-        self.prove = prove
-        self.policy = policy
-        self.shard_config = shard_config
-        policy.set_model(model)
-        policy.set_shard_config(shard_config)
-        policy.set_pipeline_stage_manager(shard_config.pipeline_stage_manager)
+        self.model, self.policy, self.ctx = model, policy, ShardContext(shard_config, prove)
+        bind(model, policy, shard_config)
+
+    @property
+    def shard_config(self) -> ShardConfig:
+        return self.ctx.config
 
     def shard(self) -> ShardResult:
-        """Shard in place, step by step (STEPS); what the runtime needs."""
-        result = ShardResult()
-        for step in self.STEPS:
-            step(self, result)
-        return result
-
-    # -- the steps -------------------------------------------------------------------------------------
-    def _check(self, result: ShardResult) -> None:
-        """On the unsharded model, every rank alike, before any collective: the plan fits the model and the layout;
-        a plan that must be proven is proven."""
-        self.policy.check_paths()
-        self.policy.check_tp(getattr(self.model, "config", None), self.shard_config.tp_size)  # (any module: tp=1)
-        if self.prove is not None:
-            self.prove(self.policy)
-        mode = self.shard_config.sp_mode
-        if mode is not None:
-            refuse_sequence_parallelism(self.model, self._plan_style, mode)
-            check_sequence_parallelism(self.policy, mode, self.model.config, self.shard_config.tp_size,
-                                       self._sp_size())
-            result.span = sequence_span(self.policy)
-        if self.shard_config.tp_size > 1:
-            check_lora_layers(self.model, self._style_of)
-        if self.shard_config.ep_size > 1:
-            check_expert_parallel(self.model, self._plan_style, self.shard_config.ep_size)
-        result.tied = self._tied_names()
-
-    def _release_this_stage(self, result: ShardResult) -> None:
-        """Pipeline: keep this rank's stage only, by the policy's own hook (encoder-decoder) or
-        stage/release.py."""
-        sm = self.shard_config.pipeline_stage_manager
-        if sm is None:
-            return
-        result.shared = self.policy.shared_param_names()
-        hook = self.policy.release_unheld_layers
-        result.stage_forward = hook() if hook is not None else release_unheld(self.model, self.policy, sm)
-
-    def _tensor_parallel(self, result: ShardResult) -> None:
-        """Replace the planned modules with tensor-parallel ones; re-tie, enter regions once, divide attributes,
-        draw dropout from the tracker."""
-        cfg = self.shard_config
-        if cfg.tp_size == 1:
-            return
-        apply_styles(TPContext(self.model, cfg.tp, cfg.make_vocab_size_divisible_by, cfg.parallel_output,
-                               cfg.rng_tracker), self._style_of)
-        self._retie(result.tied)
-        enter_tp_regions_once(self.model, self.policy, cfg.tp,
-                              SEQUENCE_DIM if cfg.sp_mode == "split_gather" else None)
-        self._change_attributes()
-        self._use_tracker_rng()
-
-    def _expert_parallel(self, result: ShardResult) -> None:
-        """After the tp split (its hooks run inside the exchange), before sequence parallelism's gradient sums
-        (which must see the kept experts only)."""
-        if self.shard_config.ep_size > 1:
-            result.expert_params = shard_experts(self.model, self._plan_style,
-                                                 self.shard_config.ep)
-
-    def _sequence_parallel(self, result: ShardResult) -> None:
-        seq = self.shard_config.sequence
-        if seq is not None:
-            result.sequence_head = apply_sequence_parallelism(
-                self.model, self.policy, result.span, seq.mode, seq.axis, own_group=seq.own_group,
-                parallel_output=self.shard_config.parallel_output)
-
-    def _chunked_loss(self, result: ShardResult) -> None:
-        """Last: its hooks run after those of tensor and sequence parallelism."""
-        if self.shard_config.chunked_loss:
-            result.chunked_loss = use_chunked_loss(self.model, self.shard_config.loss_chunk_size, result.sequence_head)
-
-    STEPS = (_check, _release_this_stage, _tensor_parallel, _expert_parallel, _sequence_parallel, _chunked_loss)
+        return shard(self.model, self.policy, self.ctx)
 
     def materialize(self, device, init: bool = True) -> int:
         """Allocate the meta parameters and buffers this rank still holds (after sharding) on `device`, initialized
         with `init` (see materialize.py); the number of bytes allocated."""
         sm = self.shard_config.pipeline_stage_manager
-        return materialize(self.model, device, self.shard_config.tp,
-                           sm.stage if sm is not None else 0, init)
+        return materialize(self.model, device, self.shard_config.tp, sm.stage if sm is not None else 0, init)
 
-    # -- tensor parallel ---------------------------------------------------------------------------------
-    def _tied_names(self) -> List[List[str]]:
-        by_id: Dict[int, List[str]] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            by_id.setdefault(id(p), []).append(name)
-        return [names for names in by_id.values() if len(names) > 1]
 
-    def _sp_size(self) -> int:
-        """Ranks of the sequence-parallel group of its own (1: none, the sequence is split over tp)."""
-        seq = self.shard_config.sequence
-        return seq.size if seq is not None and seq.own_group else 1
+# -- what the transforms share ------------------------------------------------------------------------------------
+def _tied_names(model: nn.Module) -> List[List[str]]:
+    by_id: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
 
-    def _replicated_layers(self, rel: str) -> bool:
-        """all_to_all sequence parallelism over the tp group keeps the layers' weights whole: no tp style or
-        attribute inside them (over a group of its own, tp splits them as usual)."""
-        seq = self.shard_config.sequence
-        return seq is not None and seq.mode == "all_to_all" and not seq.own_group and inside_layers(self.policy, rel)
 
-    def _plan_style(self, path: str) -> Optional[ParallelStyle]:
-        """The plan's style of a module, whatever sequence parallelism does to it."""
-        return self._style_of(path, honour_sequence_parallelism=False)
+def _sp_size(cfg: ShardConfig) -> int:
+    """Ranks of the sequence-parallel group of its own (1: none, the sequence is split over tp)."""
+    seq = cfg.sequence
+    return seq.size if seq is not None and seq.own_group else 1
 
-    def _style_of(self, path: str, honour_sequence_parallelism: bool = True) -> Optional[ParallelStyle]:
-        prefix = self.policy.base_prefix
-        if path.startswith(prefix):
-            if honour_sequence_parallelism and self._replicated_layers(path[len(prefix):]):
-                return None
-            for pattern, style in self.policy.tp_plan.items():
-                if match(pattern, path[len(prefix):]):
-                    return style
-        for pattern, style in self.policy.head_tp_plan.items():
-            if match(pattern, path):
+
+def _replicated_layers(policy: Policy, cfg: ShardConfig, rel: str) -> bool:
+    """all_to_all sequence parallelism over the tp group keeps the layers' weights whole: no tp style or
+    attribute inside them (over a group of its own, tp splits them as usual)."""
+    seq = cfg.sequence
+    return seq is not None and seq.mode == "all_to_all" and not seq.own_group and inside_layers(policy, rel)
+
+
+StyleOf = Callable[[str], Optional[ParallelStyle]]
+
+
+def _plan_style(policy: Policy, cfg: ShardConfig) -> StyleOf:
+    """The plan's style of a module, whatever sequence parallelism does to it."""
+    return lambda path: _style(policy, cfg, path, honour_sequence_parallelism=False)
+
+
+def _style_of(policy: Policy, cfg: ShardConfig) -> StyleOf:
+    """The style a module gets (none inside layers that sequence parallelism keeps whole)."""
+    return lambda path: _style(policy, cfg, path, honour_sequence_parallelism=True)
+
+
+def _style(policy: Policy, cfg: ShardConfig, path: str, honour_sequence_parallelism: bool) -> Optional[ParallelStyle]:
+    prefix = policy.base_prefix
+    if path.startswith(prefix):
+        if honour_sequence_parallelism and _replicated_layers(policy, cfg, path[len(prefix):]):
+            return None
+        for pattern, style in policy.tp_plan.items():
+            if match(pattern, path[len(prefix):]):
                 return style
-        return None
+    for pattern, style in policy.head_tp_plan.items():
+        if match(pattern, path):
+            return style
+    return None
 
-    def _retie(self, tied: List[List[str]]) -> None:
-        """Parameters that were one before replacement (tied embeddings, MLM bias) become one again."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        for names in tied:
-            held = [n for n in names if n in params]
-            if len(held) > 1:  # the sharded one wins (a replaced module made it; the others still hold the old one)
-                source = next((params[n] for n in held if get_tp_spec(params[n]) is not None), params[held[0]])
-                for name in held:
-                    parent, attr = get_submodule_parent(self.model, name)
-                    setattr(parent, attr, source)
 
-    def _change_attributes(self) -> None:
-        tp, prefix = self.shard_config.tp_size, self.policy.base_prefix
-        for path, module in self.model.named_modules():
-            if not path.startswith(prefix) or self._replicated_layers(path[len(prefix):]):
-                continue
-            for pattern, attrs in self.policy.tp_attributes.items():
-                if match(pattern, path[len(prefix):]):
-                    for attr in attrs:
-                        setattr(module, attr, getattr(module, attr) // tp)
-            for pattern, values in self.policy.tp_attribute_values.items():
-                if match(pattern, path[len(prefix):]):
-                    for attr, value in values.items():
-                        if hasattr(module, attr):
-                            setattr(module, attr, value)
+def _retie(model: nn.Module, tied: List[List[str]]) -> None:
+    """Parameters that were one before replacement (tied embeddings, MLM bias) become one again."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for names in tied:
+        held = [n for n in names if n in params]
+        if len(held) > 1:  # the sharded one wins (a replaced module made it; the others still hold the old one)
+            source = next((params[n] for n in held if get_tp_spec(params[n]) is not None), params[held[0]])
+            for name in held:
+                parent, attr = get_submodule_parent(model, name)
+                setattr(parent, attr, source)
 
-    def _use_tracker_rng(self) -> None:
-        """Dropout draws from the tracker: the model's forward under its shared state (not the script's global RNG),
-        modules on sharded activations under this rank's private state."""
-        tracker = self.shard_config.rng_tracker
-        if tracker is None:
-            return
-        wrap_model_forward_in_tracker_rng(self.model, tracker)
-        if self.shard_config.sp_mode is not None:  # every activation inside a layer is split: per-rank masks
-            for layer in self.policy.layer_list():
-                wrap_module_forward_in_local_rng(layer, tracker)
-            return
-        prefix = self.policy.base_prefix
-        for path, module in self.model.named_modules():
-            rel = path[len(prefix):] if path.startswith(prefix) else None
-            if rel is None:
-                continue
-            if any(match(p, rel) for p in self.policy.local_rng_modules):
-                wrap_module_forward_in_local_rng(module, tracker)
-            elif any(match(p, rel) for p in self.policy.shared_rng_modules):
-                wrap_module_forward_in_shared_rng(module, tracker)
+
+def _change_attributes(model: nn.Module, policy: Policy, cfg: ShardConfig) -> None:
+    tp, prefix = cfg.tp_size, policy.base_prefix
+    for path, module in model.named_modules():
+        if not path.startswith(prefix) or _replicated_layers(policy, cfg, path[len(prefix):]):
+            continue
+        for pattern, attrs in policy.tp_attributes.items():
+            if match(pattern, path[len(prefix):]):
+                for attr in attrs:
+                    setattr(module, attr, getattr(module, attr) // tp)
+        for pattern, values in policy.tp_attribute_values.items():
+            if match(pattern, path[len(prefix):]):
+                for attr, value in values.items():
+                    if hasattr(module, attr):
+                        setattr(module, attr, value)
+
+
+def _use_tracker_rng(model: nn.Module, policy: Policy, cfg: ShardConfig) -> None:
+    """Dropout draws from the tracker: the model's forward under its shared state (not the script's global RNG),
+    modules on sharded activations under this rank's private state."""
+    tracker = cfg.rng_tracker
+    if tracker is None:
+        return
+    wrap_model_forward_in_tracker_rng(model, tracker)
+    if cfg.sp_mode is not None:  # every activation inside a layer is split: per-rank masks
+        for layer in policy.layer_list():
+            wrap_module_forward_in_local_rng(layer, tracker)
+        return
+    prefix = policy.base_prefix
+    for path, module in model.named_modules():
+        rel = path[len(prefix):] if path.startswith(prefix) else None
+        if rel is None:
+            continue
+        if any(match(p, rel) for p in policy.local_rng_modules):
+            wrap_module_forward_in_local_rng(module, tracker)
+        elif any(match(p, rel) for p in policy.shared_rng_modules):
+            wrap_module_forward_in_shared_rng(module, tracker)

@@ -6,38 +6,66 @@ config) stores [all q, one k, one v], which a column split does not keep whole: 
 every rank, each keeping its query heads and the one key and value (OwnHeads: gradients of the replicas and of its
 input summed over tp), and only the query heads are divided by tp (the attention keeps its one key/value head).
 Proven at boost by one forward of a small twin, as an inferred policy is (proven.py)."""
+from types import MappingProxyType
+from typing import Mapping, NamedTuple, Sequence
+
 from ..tensor.split_heads_argument import SplitHeadsArgument
-from .base import INPUT, Colwise, OwnHeads, Rowwise, VocabEmbedding, VocabHead
+from .base import INPUT, Colwise, OwnHeads, ParallelStyle, Rowwise, VocabEmbedding, VocabHead
 from .proven import ProvenPolicy
 
 QKV, ATTENTION = "h.*.self_attention.query_key_value", "h.*.self_attention"
+
+
+class FalconTP(NamedTuple):
+    """The tensor-parallel part of Falcon's plan that depends on its attention layout (a value: never mutated)."""
+    tp_plan: Mapping[str, ParallelStyle]
+    tp_attributes: Mapping[str, Sequence[str]]
+    tp_divisible: Sequence[str]
+
+
+GROUPED = FalconTP(  # [q, k, v] per head or per key/value group: a column split keeps whole heads (groups)
+    MappingProxyType({
+        "word_embeddings": VocabEmbedding(),
+        QKV: Colwise(),
+        "h.*.self_attention.dense": Rowwise(),
+        # with config.alibi: the bias (batch, heads, 1, keys) and the mask it is folded into, per head: own heads
+        ATTENTION: SplitHeadsArgument(("alibi", "attention_mask")),
+        "h.*.mlp.dense_h_to_4h": Colwise(),
+        "h.*.mlp.dense_4h_to_h": Rowwise(),
+    }),
+    MappingProxyType({ATTENTION: ("num_heads", "num_kv_heads")}),
+    ("num_attention_heads", "num_kv_heads"))
+
+
+def falcon_tp(config) -> FalconTP:
+    """The plan for the model's attention layout, a pure function of its config: multi-query of the old architecture
+    (num_kv_heads is ignored: one key/value) keeps its projection whole and divides the query heads only."""
+    if not (config.multi_query and not config.new_decoder_architecture):
+        return GROUPED
+    head_dim = config.hidden_size // config.num_attention_heads
+    return FalconTP(MappingProxyType({**GROUPED.tp_plan, QKV: OwnHeads(config.num_attention_heads, tail=2 * head_dim)}),
+                    MappingProxyType({ATTENTION: ("num_heads",)}), ("num_attention_heads",))
 
 
 class FalconPolicy(ProvenPolicy):
     layers = "h"
     entry = {"word_embeddings": INPUT}
     exit = ("ln_f",)
-    tp_plan = {
-        "word_embeddings": VocabEmbedding(),
-        QKV: Colwise(),      # whole heads (key/value groups) per rank; multi-query: see set_model
-        "h.*.self_attention.dense": Rowwise(),
-        # with config.alibi: the bias (batch, heads, 1, keys) and the mask it is folded into, per head: own heads
-        ATTENTION: SplitHeadsArgument(("alibi", "attention_mask")),
-        "h.*.mlp.dense_h_to_4h": Colwise(),
-        "h.*.mlp.dense_4h_to_h": Rowwise(),
-    }
     head_tp_plan = {"lm_head": VocabHead()}
-    tp_attributes = {ATTENTION: ("num_heads", "num_kv_heads")}
-    tp_divisible = ("num_attention_heads", "num_kv_heads")
     local_rng_modules = ("h.*.self_attention.attention_dropout",)
 
-    def set_model(self, model) -> None:
-        """The plan for the model's attention layout: multi-query (old architecture) keeps its projection whole."""
-        super().set_model(model)
-        config, cls = model.config, type(self)
-        if config.multi_query and not config.new_decoder_architecture:  # num_kv_heads is ignored: one key/value
-            head_dim = config.hidden_size // config.num_attention_heads
-            self.tp_plan = {**cls.tp_plan, QKV: OwnHeads(config.num_attention_heads, tail=2 * head_dim)}
-            self.tp_attributes, self.tp_divisible = {ATTENTION: ("num_heads",)}, ("num_attention_heads",)
-        else:
-            self.tp_plan, self.tp_attributes, self.tp_divisible = cls.tp_plan, cls.tp_attributes, cls.tp_divisible
+    def _tp(self) -> FalconTP:
+        """The plan value for the bound model (the grouped layout before one is bound)."""
+        return GROUPED if self.model is None else falcon_tp(self.model.config)
+
+    @property
+    def tp_plan(self) -> Mapping[str, ParallelStyle]:
+        return self._tp().tp_plan
+
+    @property
+    def tp_attributes(self) -> Mapping[str, Sequence[str]]:
+        return self._tp().tp_attributes
+
+    @property
+    def tp_divisible(self) -> Sequence[str]:
+        return self._tp().tp_divisible

@@ -2,7 +2,7 @@
 arguments (the one-process batch holding every replica's rows): logged losses, grad norms and learning rates, the
 parameters at the end (through `save_model` + `from_pretrained`) and `evaluate()`'s loss, at tp=2 x pp=2, pp=2 x
 dp=2 with ZeRO-1, tp=2 x dp=2 with ZeRO-1 (no pipeline: booster.backward per batch), ring attention over sp=2 x dp=2,
-Ulysses over sp=2 x pp=2 and Qwen3-MoE's experts over ep=2 x pp=2 (4 ranks), with gradient accumulation, a warm-up
+Ulysses over sp=2 x pp=2 and Qwen3-MoE's experts over ep=2 x pp=2 with its router loss (4 ranks), with gradient accumulation, a warm-up
 scheduler, weight decay, clipping, and labels with ignored positions (token-weighted loss over the accumulation
 window and the replicas); checkpoints (`save_steps`, `save_total_limit`) resume into another layout."""
 import os
@@ -48,6 +48,21 @@ class HalfLossTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         return (loss * 0.5, outputs) if return_outputs else loss * 0.5
+
+
+class RowForwardTrainer(Trainer):
+    """One process doing the pipeline's forwards: each row of a batch its own forward, the losses summed. Under
+    pp=2 the plugin splits a replica's window (and eval batch) into one-row microbatches and sums their losses (each
+    the model's own, with the global `num_items_in_batch`); the router's load-balancing loss of a forward depends on
+    the tokens it sees, so one forward over all rows would give another loss."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        rows = inputs["input_ids"].shape[0]
+        parts = [super(RowForwardTrainer, self).compute_loss(
+            model, {k: v[i:i + 1] for k, v in inputs.items()}, return_outputs=True,
+            num_items_in_batch=num_items_in_batch) for i in range(rows)]
+        loss = sum(part[0] for part in parts)
+        return (loss, {"logits": torch.cat([part[1].logits for part in parts])}) if return_outputs else loss
 
 
 def _metrics(prediction) -> dict:
@@ -169,10 +184,11 @@ def _layouts(references: dict, directory: str) -> None:
 def test_trainer_equals_one_process(tmp_path):
     references = {replicas: _reference(str(tmp_path / f"ref{replicas}"), replicas) for replicas in (1, 2)}
     references["half"] = _reference(str(tmp_path / "ref_half"), 2, HalfLossTrainer)
-    torch.manual_seed(0)  # a Qwen3-MoE without the router loss (which no batch split keeps: see the README)
-    moe = transformers.Qwen3MoeForCausalLM(tiny_config(transformers.Qwen3MoeConfig, num_hidden_layers=4, num_experts=4,
-                                                       num_experts_per_tok=2, vocab_size=mu.VOCAB))
-    references["moe"] = _reference(str(tmp_path / "ref_moe"), 2, model=moe)
+    torch.manual_seed(0)  # a Qwen3-MoE with its router loss, against one process doing the pipeline's forwards
+    moe = transformers.Qwen3MoeForCausalLM(tiny_config(
+        transformers.Qwen3MoeConfig, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, vocab_size=mu.VOCAB,
+        output_router_logits=True, router_aux_loss_coef=1.0))
+    references["moe"] = _reference(str(tmp_path / "ref_moe"), 2, RowForwardTrainer, model=moe)
     run_distributed(4, _layouts, references, str(tmp_path))
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import transformers
-from transformers import Trainer, TrainingArguments
+from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 
 from hp_check.tiny import tiny_config
 from tests import model_utils as mu
@@ -84,31 +84,47 @@ def _reference(output_dir: str, replicas: int, trainer_class=Trainer, model=None
     model = model if model is not None else mu.build("llama_lm")
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = trainer_class(model=model, args=_args(output_dir, BATCH * replicas),
-                      train_dataset=_dataset(ROWS, 1), eval_dataset=_dataset(EVAL_ROWS, 2))
+                            train_dataset=_dataset(ROWS, 1), eval_dataset=_dataset(EVAL_ROWS, 2))
     before = trainer.evaluate()["eval_loss"]
     trainer.compute_metrics = _metrics
     metrics = {k: v for k, v in trainer.evaluate().items() if k in METRICS}
     trainer.compute_metrics = None
     trainer.train()
-    return {"initial": initial, "config": model.config, "model_class": type(model), "logs": _logs(trainer), "eval_before": before, "metrics": metrics,
-            "eval_after": trainer.evaluate()["eval_loss"],
+    return {"initial": initial, "config": model.config, "model_class": type(model), "logs": _logs(trainer),
+            "eval_before": before, "metrics": metrics, "eval_after": trainer.evaluate()["eval_loss"],
             "final": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def _trainer(plugin_kwargs: dict, reference: dict, output_dir: str, trainer_class=None, **arg_overrides):
-    from booster_plugin import HybridParallelPlugin, HybridParallelTrainer
-
+def _model(reference: dict):
     model = reference["model_class"](reference["config"])
     model.load_state_dict(reference["initial"])
-    return (trainer_class or HybridParallelTrainer)(model=model, args=_args(output_dir, BATCH, **arg_overrides),
-                                 train_dataset=_dataset(ROWS, 1), eval_dataset=_dataset(EVAL_ROWS, 2),
-                                 plugin=HybridParallelPlugin(**plugin_kwargs))
+    return model
+
+
+def _train_reference(output_dir: str, base: dict, batch: int, callbacks=(), **arg_overrides) -> dict:
+    """One process, plain Trainer, training only (`base`'s model and initial parameters)."""
+    model = _model(base)
+    trainer = Trainer(model=model, args=_args(output_dir, batch, **arg_overrides), train_dataset=_dataset(ROWS, 1),
+                      eval_dataset=_dataset(EVAL_ROWS, 2), callbacks=list(callbacks))
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    return {**base, "logs": _logs(trainer), "final": {k: v.clone() for k, v in model.state_dict().items()},
+            "global_step": trainer.state.global_step, "best": best and os.path.basename(best)}
+
+
+def _trainer(plugin_kwargs: dict, reference: dict, output_dir: str, trainer_class=None, callbacks=(),
+             batch: int = BATCH, **arg_overrides):
+    from booster_plugin import HybridParallelPlugin, HybridParallelTrainer
+
+    return (trainer_class or HybridParallelTrainer)(
+        model=_model(reference), args=_args(output_dir, batch, **arg_overrides), train_dataset=_dataset(ROWS, 1),
+        eval_dataset=_dataset(EVAL_ROWS, 2), callbacks=list(callbacks), plugin=HybridParallelPlugin(**plugin_kwargs))
 
 
 def _check_trained(trainer, reference: dict, what: str) -> None:
     """Logged loss, grad norm, learning rate of every step, and the final parameters (saved, from_pretrained)."""
     logs, expected = _logs(trainer), reference["logs"]
-    assert len(logs["loss"]) == STEPS, logs
+    assert len(logs["loss"]) == len(expected["loss"]), logs
     for key in ("loss", "grad_norm", "learning_rate"):
         mu.assert_close(torch.tensor(logs[key]), torch.tensor(expected[key]), f"{what}: logged {key}")
     assert max(expected["grad_norm"]) > 0.5, "the test should clip"
@@ -116,7 +132,7 @@ def _check_trained(trainer, reference: dict, what: str) -> None:
     trainer.save_model(saved)
     loaded = type(trainer.model).from_pretrained(saved)
     for name, value in loaded.state_dict().items():
-        mu.assert_close(value, reference["final"][name], f"{what}: {name} after {STEPS} steps (from_pretrained)")
+        mu.assert_close(value, reference["final"][name], f"{what}: {name} at the end (from_pretrained)")
 
 
 def _check_layout(plugin_kwargs: dict, reference: dict, output_dir: str, trainer_class=None, **arg_overrides):
@@ -150,6 +166,23 @@ def _check_refusals(reference: dict, directory: str) -> None:
             _trainer(plugin, reference, directory, **overrides)
 
 
+# evaluated and saved every 2 steps; the eval loss (other random rows) rises after step 2, so early stopping
+# (patience 1) stops at step 4, then the best checkpoint (step 2) is loaded back
+BEST = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+            metric_for_best_model="eval_loss")
+
+
+def _check_best_model(reference: dict, output_dir: str) -> None:
+    """load_best_model_at_end and EarlyStoppingCallback at tp=2 x pp=2: the same stop, best checkpoint and logs as
+    one process, and the best checkpoint's parameters loaded back through the booster (tp shards, pp stages)."""
+    trainer = _trainer(dict(tp_size=2, pp_size=2), reference, output_dir,
+                       callbacks=[EarlyStoppingCallback(early_stopping_patience=1)], **BEST)
+    trainer.train()
+    assert (trainer.state.global_step, os.path.basename(trainer.state.best_model_checkpoint)) == \
+        (reference["global_step"], reference["best"]) == (4, "checkpoint-2"), trainer.state
+    _check_trained(trainer, reference, "best model after early stopping")
+
+
 def _layouts(references: dict, directory: str) -> None:
     _check_refusals(references[1], os.path.join(directory, "refused"))
     _check_layout(dict(tp_size=2, pp_size=2), references[1], os.path.join(directory, "tp2pp2"))
@@ -175,6 +208,7 @@ def _layouts(references: dict, directory: str) -> None:
     _check_layout(dict(tp_size=2, zero_stage=1), references["half"], os.path.join(directory, "composed"), Composed)
     with pytest.raises(ValueError, match="compute_loss override"):
         _trainer(dict(pp_size=2), references["half"], os.path.join(directory, "refused"), Composed)
+    _check_best_model(references["best"], os.path.join(directory, "best"))
     # resumed after step 4 into another layout (pp=2 -> tp=2, ZeRO-1 over dp=2 in both): steps 5, 6 as uninterrupted
     resumed = _trainer(dict(tp_size=2, zero_stage=1), references[2], os.path.join(directory, "resumed"))
     resumed.train(resume_from_checkpoint=os.path.join(saving, "checkpoint-4"))
@@ -189,6 +223,8 @@ def test_trainer_equals_one_process(tmp_path):
         transformers.Qwen3MoeConfig, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, vocab_size=mu.VOCAB,
         output_router_logits=True, router_aux_loss_coef=1.0))
     references["moe"] = _reference(str(tmp_path / "ref_moe"), 2, RowForwardTrainer, model=moe)
+    references["best"] = _train_reference(str(tmp_path / "ref_best"), references[1], BATCH,
+                                          [EarlyStoppingCallback(early_stopping_patience=1)], **BEST)
     run_distributed(4, _layouts, references, str(tmp_path))
 
 

@@ -17,7 +17,7 @@ Overrides (each of the installed Trainer, transformers 5.x), and why:
 - `prediction_step`: under pp, a forward-only pipeline step: its loss, and the full logits broadcast from the last
   stage for `compute_metrics` / `predict()`.
 - `gather_function` (a property: Trainer assigns it): evaluation results gathered over replicas, not processes.
-- `save_model` and the checkpoint hooks: the booster's collective save/load (checkpoint.py).
+- `save_model`, the checkpoint hooks and `_load_best_model`: the booster's collective save/load (checkpoint.py).
 """
 from __future__ import annotations
 
@@ -68,8 +68,6 @@ class HybridParallelTrainerMixin(CheckpointHooks):
             problems.append("activation_checkpointing=True: use HybridParallelPlugin(gradient_checkpoint_config=...)")
         if args.train_sampling_strategy == "batch_rebalance":
             problems.append("train_sampling_strategy='batch_rebalance' (its sampler shards over the world)")
-        if args.load_best_model_at_end:
-            problems.append("load_best_model_at_end=True (not yet)")
         if args.torch_compile:
             problems.append("torch_compile=True (accelerate would compile the model it wraps; this one is not)")
         if args.fp16 or args.bf16:

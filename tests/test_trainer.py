@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import transformers
-from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
+from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
 
 from hp_check.tiny import tiny_config
 from tests import model_utils as mu
@@ -19,6 +19,7 @@ from tests.dist_utils import run_distributed
 
 METRICS = ("eval_loss", "eval_accuracy", "eval_rows", "eval_logit_abs")
 ROWS, EVAL_ROWS, STEPS, ACCUMULATION, BATCH = 48, 16, 6, 2, 2  # BATCH: rows per replica and Trainer batch
+LONG_STEPS = 20  # the kill-and-resume run (12 steps per epoch at dp=1)
 
 
 def _dataset(rows: int, seed: int) -> list:
@@ -154,11 +155,12 @@ def _check_layout(plugin_kwargs: dict, reference: dict, output_dir: str, trainer
 
 def _check_refusals(reference: dict, directory: str) -> None:
     """Trainer options acting on the unsharded model behind the plugin: refused on every rank, naming the fix."""
+    from booster_plugin.trainer.compat import checkpointing_argument
     from shardformer.stage.loss_weights import causal_lm_label_tokens
 
     with pytest.raises(ValueError, match="drop loss_weight_fn"):
         _trainer(dict(pp_size=2, loss_weight_fn=causal_lm_label_tokens), reference, directory)
-    for overrides, fix in ((dict(activation_checkpointing=True), "gradient_checkpoint_config"),
+    for overrides, fix in (({checkpointing_argument(): True}, "gradient_checkpoint_config"),
                            (dict(use_cpu=False), "use_cpu=True"),
                            (dict(max_grad_norm=2.0), "set one of them")):
         plugin = dict(pp_size=2, max_norm=1.0) if "max_grad_norm" in overrides else dict(pp_size=2)
@@ -181,6 +183,34 @@ def _check_best_model(reference: dict, output_dir: str) -> None:
     assert (trainer.state.global_step, os.path.basename(trainer.state.best_model_checkpoint)) == \
         (reference["global_step"], reference["best"]) == (4, "checkpoint-2"), trainer.state
     _check_trained(trainer, reference, "best model after early stopping")
+
+
+class StopAfter(TrainerCallback):
+    """Ends training after `step` (the checkpoint of that step saved), as a killed job would have left it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def _check_resumed(reference: dict, directory: str) -> None:
+    """LONG_STEPS steps (crossing into the second epoch) stopped after step LONG_STEPS / 2 at tp=2 x pp=2, then
+    resumed by fresh trainers into the same layout and into pp=2 x dp=2 with ZeRO-1 (one row per replica: the same
+    global batch): the resumed runs log the uninterrupted run's steps (the first half from the checkpoint's trainer
+    state) and end with its parameters, Trainer's data position and scheduler restored."""
+    half, killed = LONG_STEPS // 2, os.path.join(directory, "tp2pp2")
+    trainer = _trainer(dict(tp_size=2, pp_size=2), reference, killed, callbacks=[StopAfter(half)],
+                       max_steps=LONG_STEPS, save_strategy="steps", save_steps=half)
+    trainer.train()
+    assert trainer.state.global_step == half and os.listdir(killed) == [f"checkpoint-{half}"], os.listdir(killed)
+    for plugin_kwargs, batch in ((dict(tp_size=2, pp_size=2), BATCH), (dict(pp_size=2, zero_stage=1), BATCH // 2)):
+        resumed = _trainer(plugin_kwargs, reference, os.path.join(directory, f"resumed_pp{len(plugin_kwargs)}"),
+                           batch=batch, max_steps=LONG_STEPS)
+        resumed.train(resume_from_checkpoint=os.path.join(killed, f"checkpoint-{half}"))
+        _check_trained(resumed, reference, f"resumed after step {half} from tp=2 x pp=2 into {plugin_kwargs}")
 
 
 def _layouts(references: dict, directory: str) -> None:
@@ -209,10 +239,7 @@ def _layouts(references: dict, directory: str) -> None:
     with pytest.raises(ValueError, match="compute_loss override"):
         _trainer(dict(pp_size=2), references["half"], os.path.join(directory, "refused"), Composed)
     _check_best_model(references["best"], os.path.join(directory, "best"))
-    # resumed after step 4 into another layout (pp=2 -> tp=2, ZeRO-1 over dp=2 in both): steps 5, 6 as uninterrupted
-    resumed = _trainer(dict(tp_size=2, zero_stage=1), references[2], os.path.join(directory, "resumed"))
-    resumed.train(resume_from_checkpoint=os.path.join(saving, "checkpoint-4"))
-    _check_trained(resumed, references[2], "resumed at step 4 from pp=2 into tp=2")
+    _check_resumed(references["long"], os.path.join(directory, "killed"))
 
 
 def test_trainer_equals_one_process(tmp_path):
@@ -225,6 +252,7 @@ def test_trainer_equals_one_process(tmp_path):
     references["moe"] = _reference(str(tmp_path / "ref_moe"), 2, RowForwardTrainer, model=moe)
     references["best"] = _train_reference(str(tmp_path / "ref_best"), references[1], BATCH,
                                           [EarlyStoppingCallback(early_stopping_patience=1)], **BEST)
+    references["long"] = _train_reference(str(tmp_path / "ref_long"), references[1], BATCH, max_steps=LONG_STEPS)
     run_distributed(4, _layouts, references, str(tmp_path))
 
 

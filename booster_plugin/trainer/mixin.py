@@ -10,7 +10,8 @@ Overrides (each of the installed Trainer, transformers 5.x), and why:
 - `_wrap_model`: the boosted model for evaluation too (never accelerate's).
 - `_get_dataloader`: sharded over data-parallel replicas, not over the world (data.py).
 - `get_tp_size`: the ranks that share one replica's batches (tp x pp x sp), which Trainer divides out of its
-  world-gathered `num_items_in_batch` and of its loss scaling for data parallel.
+  world-gathered `num_items_in_batch` and of its loss scaling for data parallel (from transformers 5.19; before,
+  `_replica_items` does it for the pipeline paths: compat.py).
 - `training_step`: `booster.backward` (pp = 1) or one `execute_pipeline` per accumulation window (pipeline_step.py).
 - `_clip_grad_norm` / `_get_grad_norm` / `_maybe_log_save_evaluate`: the boosted optimizer clips the global norm
   (over tp, pp, dp slices) inside its step, with `max_grad_norm`; the logged norm is the one it measured.
@@ -32,6 +33,7 @@ from transformers import Trainer
 
 from .. import Booster
 from .checkpoint import CheckpointHooks
+from .compat import COUNT_DIVIDED_BY_TP_SIZE, activation_checkpointing, checkpointing_argument
 from .data import Replica, dataloader_params, replica_dataloader
 from .gather import gather_replicas, replica_representatives
 from .pipeline_step import AccumulationWindow, concat_batches, logits_on_every_stage, pipeline_loss
@@ -64,8 +66,9 @@ class HybridParallelTrainerMixin(CheckpointHooks):
                             f"only with TrainingArguments(use_cpu=True)")
         if self.model_init is not None:
             problems.append("model_init (hyperparameter search): pass the model itself")
-        if args.activation_checkpointing:
-            problems.append("activation_checkpointing=True: use HybridParallelPlugin(gradient_checkpoint_config=...)")
+        if activation_checkpointing(args):
+            problems.append(f"{checkpointing_argument()}=True: use HybridParallelPlugin(gradient_checkpoint_config="
+                            f"...)")
         if args.train_sampling_strategy == "batch_rebalance":
             problems.append("train_sampling_strategy='batch_rebalance' (its sampler shards over the world)")
         if args.torch_compile:
@@ -119,8 +122,16 @@ class HybridParallelTrainerMixin(CheckpointHooks):
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         count = super()._get_num_items_in_batch(batch_samples, device)
-        if torch.is_tensor(count) and not self.args.average_tokens_across_devices:
+        if torch.is_tensor(count) and not self.args.average_tokens_across_devices and COUNT_DIVIDED_BY_TP_SIZE:
             count = count * self.get_tp_size()  # Trainer divided this replica's own count too
+        return count
+
+    def _replica_items(self, count):
+        """Trainer's item count as the window's loss items over the replicas (what the pipeline paths give the
+        model): before transformers 5.19 its world-gathered count holds each replica's items once per rank of the
+        replica (compat.py)."""
+        if torch.is_tensor(count) and self.args.average_tokens_across_devices and not COUNT_DIVIDED_BY_TP_SIZE:
+            return count / self.get_tp_size()
         return count
 
     # -- data ------------------------------------------------------------------------------------------------
@@ -173,7 +184,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        scaled = self.loss_is_scaled_for_ga
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # (from transformers 5.19)
         if scaled is None:  # as Trainer.training_step decides
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
                 self.compute_loss_func is not None
@@ -188,6 +199,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         """One pipeline step over the window's batches; their summed loss (what Trainer's per-batch steps add)."""
         model.train()
         batch = self._prepare_inputs(concat_batches(batches))
+        num_items_in_batch = self._replica_items(num_items_in_batch)
         out = pipeline_loss(self.booster, model, self.optimizer, batch, num_items_in_batch,
                             self._dp_loss_scale(num_items_in_batch))
         return out["loss"].detach().to(self.args.device)
@@ -206,7 +218,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         if self.plugin.pp_size == 1:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
-        num_items = self._get_num_items_in_batch([inputs], self.args.device)
+        num_items = self._replica_items(self._get_num_items_in_batch([inputs], self.args.device))
         with torch.no_grad():
             out = pipeline_loss(self.booster, model, None, inputs, num_items, self._dp_loss_scale(num_items),
                                 return_outputs=not prediction_loss_only)

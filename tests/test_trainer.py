@@ -4,7 +4,8 @@ parameters at the end (through `save_model` + `from_pretrained`) and `evaluate()
 dp=2 with ZeRO-1, tp=2 x dp=2 with ZeRO-1 (no pipeline: booster.backward per batch), ring attention over sp=2 x dp=2,
 Ulysses over sp=2 x pp=2 and Qwen3-MoE's experts over ep=2 x pp=2 with its router loss (4 ranks), with gradient accumulation, a warm-up
 scheduler, weight decay, clipping, and labels with ignored positions (token-weighted loss over the accumulation
-window and the replicas); checkpoints (`save_steps`, `save_total_limit`) resume into another layout."""
+window and the replicas); checkpoints (`save_steps`, `save_total_limit`); a run stopped after step 10 of 20 resumed
+into the same and into another layout; `load_best_model_at_end` with early stopping."""
 import os
 import sys
 

@@ -2,9 +2,9 @@
 arguments (the one-process batch holding every replica's rows): logged losses, grad norms and learning rates, the
 parameters at the end (through `save_model` + `from_pretrained`) and `evaluate()`'s loss, at tp=2 x pp=2, pp=2 x
 dp=2 with ZeRO-1, tp=2 x dp=2 with ZeRO-1 (no pipeline: booster.backward per batch), ring attention over sp=2 x dp=2,
-Ulysses over sp=2 x pp=2 and Qwen3-MoE's experts over ep=2 x pp=2 with its router loss (4 ranks), with gradient accumulation, a warm-up
-scheduler, weight decay, clipping, and labels with ignored positions (token-weighted loss over the accumulation
-window and the replicas); checkpoints (`save_steps`, `save_total_limit`); a run stopped after step 10 of 20 resumed
+Ulysses over sp=2 x pp=2 and Qwen3-MoE's experts over ep=2 x pp=2 with its router loss (4 ranks), with gradient
+accumulation, a warm-up scheduler, weight decay, clipping, and labels with ignored positions (token-weighted loss over
+the accumulation window and the replicas); checkpoints (`save_steps`, `save_total_limit`); a run stopped after step 10 of 20 resumed
 into the same and into another layout; `load_best_model_at_end` with early stopping."""
 import os
 import sys
@@ -201,15 +201,16 @@ def _check_resumed(reference: dict, directory: str) -> None:
     """LONG_STEPS steps (crossing into the second epoch) stopped after step LONG_STEPS / 2 at tp=2 x pp=2, then
     resumed by fresh trainers into the same layout and into pp=2 x dp=2 with ZeRO-1 (one row per replica: the same
     global batch): the resumed runs log the uninterrupted run's steps (the first half from the checkpoint's trainer
-    state) and end with its parameters, Trainer's data position and scheduler restored."""
-    half, killed = LONG_STEPS // 2, os.path.join(directory, "tp2pp2")
+    state) and end with its parameters: optimizer state, scheduler and data position restored."""
+    half, killed = LONG_STEPS // 2, os.path.join(directory, "killed")
     trainer = _trainer(dict(tp_size=2, pp_size=2), reference, killed, callbacks=[StopAfter(half)],
                        max_steps=LONG_STEPS, save_strategy="steps", save_steps=half)
     trainer.train()
     assert trainer.state.global_step == half and os.listdir(killed) == [f"checkpoint-{half}"], os.listdir(killed)
-    for plugin_kwargs, batch in ((dict(tp_size=2, pp_size=2), BATCH), (dict(pp_size=2, zero_stage=1), BATCH // 2)):
-        resumed = _trainer(plugin_kwargs, reference, os.path.join(directory, f"resumed_pp{len(plugin_kwargs)}"),
-                           batch=batch, max_steps=LONG_STEPS)
+    for name, plugin_kwargs, batch in (("tp2pp2", dict(tp_size=2, pp_size=2), BATCH),
+                                       ("pp2dp2", dict(pp_size=2, zero_stage=1), BATCH // 2)):
+        resumed = _trainer(plugin_kwargs, reference, os.path.join(directory, "resumed", name), batch=batch,
+                           max_steps=LONG_STEPS)
         resumed.train(resume_from_checkpoint=os.path.join(killed, f"checkpoint-{half}"))
         _check_trained(resumed, reference, f"resumed after step {half} from tp=2 x pp=2 into {plugin_kwargs}")
 
@@ -240,7 +241,7 @@ def _layouts(references: dict, directory: str) -> None:
     with pytest.raises(ValueError, match="compute_loss override"):
         _trainer(dict(pp_size=2), references["half"], os.path.join(directory, "refused"), Composed)
     _check_best_model(references["best"], os.path.join(directory, "best"))
-    _check_resumed(references["long"], os.path.join(directory, "killed"))
+    _check_resumed(references["long"], os.path.join(directory, "resume"))
 
 
 def test_trainer_equals_one_process(tmp_path):

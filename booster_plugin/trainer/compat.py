@@ -5,7 +5,7 @@
   accelerate's `parallelism_config` sizes only (unset here), so their count holds each replica's items once per rank
   of that replica and their scale is the world size: the same loss for Trainer's own compute_loss, but the pipeline
   paths, which give the count to the model themselves, need it per replica (`replica_items`).
-- 5.20 to 5.24: `activation_checkpointing` replaced the `gradient_checkpointing` training argument.
+- The `gradient_checkpointing` training argument (5.17 to 5.20 at least) is `activation_checkpointing` in 5.24.
 - `Trainer.loss_is_scaled_for_ga` (the subclass's say on gradient-accumulation scaling) exists from 5.19.
 """
 from __future__ import annotations

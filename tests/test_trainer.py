@@ -1,11 +1,11 @@
 """HybridParallelTrainer: `transformers.Trainer.train()` on the plugin equals a plain one-process Trainer with the same
 arguments (the one-process batch holding every replica's rows): logged losses, grad norms and learning rates, the
-parameters at the end (through `save_model` + `from_pretrained`) and `evaluate()`'s loss, at tp=2 x pp=2, pp=2 x
-dp=2 with ZeRO-1, tp=2 x dp=2 with ZeRO-1 (no pipeline: booster.backward per batch), ring attention over sp=2 x dp=2,
-Ulysses over sp=2 x pp=2 and Qwen3-MoE's experts over ep=2 x pp=2 with its router loss (4 ranks), with gradient
-accumulation, a warm-up scheduler, weight decay, clipping, and labels with ignored positions (token-weighted loss over
-the accumulation window and the replicas); checkpoints (`save_steps`, `save_total_limit`); a run stopped after step 10 of 20 resumed
-into the same and into another layout; `load_best_model_at_end` with early stopping."""
+parameters at the end (through `save_model` + `from_pretrained`) and `evaluate()`'s loss, at tp=2 x pp=2, pp=2 x dp=2
+with ZeRO-1, tp=2 x dp=2 with ZeRO-1 (no pipeline: booster.backward per batch), ring attention over sp=2 x dp=2,
+Ulysses over sp=2 x pp=2 and Qwen3-MoE's experts over ep=2 x pp=2 and ep=2 x tp=2 with its router loss (4 ranks), with
+gradient accumulation, a warm-up scheduler, weight decay, clipping, and labels with ignored positions (token-weighted
+loss over the accumulation window and the replicas); checkpoints (`save_steps`, `save_total_limit`); a run stopped
+after step 10 of 20 resumed into the same and into another layout; `load_best_model_at_end` with early stopping."""
 import os
 import sys
 
@@ -52,19 +52,25 @@ class HalfLossTrainer(Trainer):
         return (loss * 0.5, outputs) if return_outputs else loss * 0.5
 
 
-class RowForwardTrainer(Trainer):
-    """One process doing the pipeline's forwards: each row of a batch its own forward, the losses summed. Under
-    pp=2 the plugin splits a replica's window (and eval batch) into one-row microbatches and sums their losses (each
-    the model's own, with the global `num_items_in_batch`); the router's load-balancing loss of a forward depends on
-    the tokens it sees, so one forward over all rows would give another loss."""
+class SplitForwardTrainer(Trainer):
+    """One process making the plugin's forwards: every `forward_rows` rows of a batch their own forward, the losses
+    summed. Under pp=2 the plugin splits a replica's window (and eval batch) into one-row microbatches; without pp
+    each replica's batch (BATCH rows) is a forward; it sums their losses (each the model's own, with the global
+    `num_items_in_batch`). The router's load-balancing loss of a forward depends on the tokens it sees, so one
+    forward over all rows would give another loss."""
+    forward_rows = 1
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        rows = inputs["input_ids"].shape[0]
-        parts = [super(RowForwardTrainer, self).compute_loss(
-            model, {k: v[i:i + 1] for k, v in inputs.items()}, return_outputs=True,
-            num_items_in_batch=num_items_in_batch) for i in range(rows)]
+        rows, step = inputs["input_ids"].shape[0], self.forward_rows
+        parts = [super(SplitForwardTrainer, self).compute_loss(
+            model, {k: v[i:i + step] for k, v in inputs.items()}, return_outputs=True,
+            num_items_in_batch=num_items_in_batch) for i in range(0, rows, step)]
         loss = sum(part[0] for part in parts)
         return (loss, {"logits": torch.cat([part[1].logits for part in parts])}) if return_outputs else loss
+
+
+class ReplicaForwardTrainer(SplitForwardTrainer):
+    forward_rows = BATCH
 
 
 def _metrics(prediction) -> dict:
@@ -231,6 +237,7 @@ def _layouts(references: dict, directory: str) -> None:
                   references[1], os.path.join(directory, "ulysses2pp2"))
     # expert parallelism: Qwen3-MoE's experts over ep=2 (dp=2) x pp=2, ZeRO-1
     _check_layout(dict(pp_size=2, ep_size=2, zero_stage=1), references["moe"], os.path.join(directory, "pp2ep2"))
+    _check_layout(dict(tp_size=2, ep_size=2), references["moe_pp1"], os.path.join(directory, "tp2ep2"))  # pp=1
     # the mixin on a Trainer subclass with its own compute_loss (pp=1; under pp such an override is refused)
     from booster_plugin import HybridParallelTrainerMixin
 
@@ -251,7 +258,10 @@ def test_trainer_equals_one_process(tmp_path):
     moe = transformers.Qwen3MoeForCausalLM(tiny_config(
         transformers.Qwen3MoeConfig, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, vocab_size=mu.VOCAB,
         output_router_logits=True, router_aux_loss_coef=1.0))
-    references["moe"] = _reference(str(tmp_path / "ref_moe"), 2, RowForwardTrainer, model=moe)
+    initial = {k: v.clone() for k, v in moe.state_dict().items()}
+    references["moe"] = _reference(str(tmp_path / "ref_moe"), 2, SplitForwardTrainer, model=moe)
+    moe.load_state_dict(initial)
+    references["moe_pp1"] = _reference(str(tmp_path / "ref_moe_pp1"), 2, ReplicaForwardTrainer, model=moe)
     references["best"] = _train_reference(str(tmp_path / "ref_best"), references[1], BATCH,
                                           [EarlyStoppingCallback(early_stopping_patience=1)], **BEST)
     references["long"] = _train_reference(str(tmp_path / "ref_long"), references[1], BATCH, max_steps=LONG_STEPS)

@@ -11,7 +11,7 @@ Overrides (each of the installed Trainer, transformers 5.x), and why:
 - `_get_dataloader`: sharded over data-parallel replicas, not over the world (data.py).
 - `get_tp_size`: the ranks that share one replica's batches (tp x pp x sp), which Trainer divides out of its
   world-gathered `num_items_in_batch` and of its loss scaling for data parallel (from transformers 5.19; before,
-  `_replica_items` does it for the pipeline paths: compat.py).
+  `_get_num_items_in_batch` and `_unscale_world_loss` do it: compat.py).
 - `training_step`: `booster.backward` (pp = 1) or one `execute_pipeline` per accumulation window (pipeline_step.py).
 - `_clip_grad_norm` / `_get_grad_norm` / `_maybe_log_save_evaluate`: the boosted optimizer clips the global norm
   (over tp, pp, dp slices) inside its step, with `max_grad_norm`; the logged norm is the one it measured.
@@ -121,18 +121,24 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         return self.args.world_size // self.plugin.dp_size
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """The loss items of the window over the replicas (this replica's alone without
+        average_tokens_across_devices), whatever the transformers release divided (compat.py)."""
         count = super()._get_num_items_in_batch(batch_samples, device)
-        if torch.is_tensor(count) and not self.args.average_tokens_across_devices and COUNT_DIVIDED_BY_TP_SIZE:
+        gathered = self.args.average_tokens_across_devices
+        if torch.is_tensor(count) and COUNT_DIVIDED_BY_TP_SIZE and not gathered:
             count = count * self.get_tp_size()  # Trainer divided this replica's own count too
+        elif torch.is_tensor(count) and not COUNT_DIVIDED_BY_TP_SIZE and gathered:
+            count = count / self.get_tp_size()  # the world's count: each replica's items once per rank of it
         return count
 
-    def _replica_items(self, count):
-        """Trainer's item count as the window's loss items over the replicas (what the pipeline paths give the
-        model): before transformers 5.19 its world-gathered count holds each replica's items once per rank of the
-        replica (compat.py)."""
-        if torch.is_tensor(count) and self.args.average_tokens_across_devices and not COUNT_DIVIDED_BY_TP_SIZE:
-            return count / self.get_tp_size()
-        return count
+    def _unscale_world_loss(self, loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+        """Trainer's compute_loss before transformers 5.19 scales a token-normalised loss by the world size, not by
+        the replicas (world / get_tp_size()): divided back here (compat.py)."""
+        scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        if not COUNT_DIVIDED_BY_TP_SIZE and self.args.average_tokens_across_devices and \
+                num_items_in_batch is not None and scaled:
+            return loss / self.get_tp_size()
+        return loss
 
     # -- data ------------------------------------------------------------------------------------------------
     def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
@@ -183,7 +189,8 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            loss = self._unscale_world_loss(self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch),
+                                            num_items_in_batch)
         scaled = getattr(self, "loss_is_scaled_for_ga", None)  # (from transformers 5.19)
         if scaled is None:  # as Trainer.training_step decides
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
@@ -199,7 +206,6 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         """One pipeline step over the window's batches; their summed loss (what Trainer's per-batch steps add)."""
         model.train()
         batch = self._prepare_inputs(concat_batches(batches))
-        num_items_in_batch = self._replica_items(num_items_in_batch)
         out = pipeline_loss(self.booster, model, self.optimizer, batch, num_items_in_batch,
                             self._dp_loss_scale(num_items_in_batch))
         return out["loss"].detach().to(self.args.device)
@@ -216,9 +222,12 @@ class HybridParallelTrainerMixin(CheckpointHooks):
     def prediction_step(self, model: nn.Module, inputs: Dict[str, Any], prediction_loss_only: bool,
                         ignore_keys=None):
         if self.plugin.pp_size == 1:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            if loss is not None and not COUNT_DIVIDED_BY_TP_SIZE:  # counted as Trainer's prediction_step counts
+                loss = self._unscale_world_loss(loss, self._get_num_items_in_batch([inputs], self.args.device))
+            return loss, logits, labels
         inputs = self._prepare_inputs(inputs)
-        num_items = self._replica_items(self._get_num_items_in_batch([inputs], self.args.device))
+        num_items = self._get_num_items_in_batch([inputs], self.args.device)
         with torch.no_grad():
             out = pipeline_loss(self.booster, model, None, inputs, num_items, self._dp_loss_scale(num_items),
                                 return_outputs=not prediction_loss_only)

@@ -5,8 +5,10 @@ import transformers
 from packaging import version
 from transformers import Trainer
 
-# The overrides follow transformers 5.24's Trainer (its private hooks and loss scaling changed across 5.x releases).
-MIN_TRANSFORMERS = "5.24"
+# The overrides follow the Trainer of transformers 5.17 to 5.24 (its private hooks and loss scaling changed across
+# 5.x releases: compat.py)
+from .compat import MIN_TRANSFORMERS
+
 if version.parse(transformers.__version__) < version.parse(MIN_TRANSFORMERS):
     raise ImportError(f"HybridParallelTrainer needs transformers>={MIN_TRANSFORMERS} (its Trainer hooks); this "
                       f"environment has {transformers.__version__}: pip install 'transformers>={MIN_TRANSFORMERS}'.")

@@ -1,7 +1,8 @@
 """Trainer's model saving and checkpoints through the booster (collective: every rank calls them, each writes or
 reads only its shards). `save_model` writes a Hugging Face directory (`from_pretrained` loads it); a Trainer
 checkpoint holds that directory's files, the optimizer state (`optimizer/`, by parameter name: loadable into any
-layout) and Trainer's own files (scheduler, trainer state, RNG states), which Trainer writes as usual."""
+layout) and Trainer's own files (scheduler, trainer state, RNG states), which Trainer writes as usual.
+`load_best_model_at_end` loads the best checkpoint's model the same way."""
 from __future__ import annotations
 
 import os
@@ -39,6 +40,10 @@ class CheckpointHooks:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         self.booster.load_model(self.model_wrapped, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`: the best checkpoint's model, through the booster's collective load."""
+        self.booster.load_model(self.model_wrapped, self.state.best_model_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:

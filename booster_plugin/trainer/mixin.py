@@ -10,14 +10,15 @@ Overrides (each of the installed Trainer, transformers 5.x), and why:
 - `_wrap_model`: the boosted model for evaluation too (never accelerate's).
 - `_get_dataloader`: sharded over data-parallel replicas, not over the world (data.py).
 - `get_tp_size`: the ranks that share one replica's batches (tp x pp x sp), which Trainer divides out of its
-  world-gathered `num_items_in_batch` and of its loss scaling for data parallel.
+  world-gathered `num_items_in_batch` and of its loss scaling for data parallel (from transformers 5.19; before,
+  `_get_num_items_in_batch` and `_unscale_world_loss` do it: compat.py).
 - `training_step`: `booster.backward` (pp = 1) or one `execute_pipeline` per accumulation window (pipeline_step.py).
 - `_clip_grad_norm` / `_get_grad_norm` / `_maybe_log_save_evaluate`: the boosted optimizer clips the global norm
   (over tp, pp, dp slices) inside its step, with `max_grad_norm`; the logged norm is the one it measured.
 - `prediction_step`: under pp, a forward-only pipeline step: its loss, and the full logits broadcast from the last
   stage for `compute_metrics` / `predict()`.
 - `gather_function` (a property: Trainer assigns it): evaluation results gathered over replicas, not processes.
-- `save_model` and the checkpoint hooks: the booster's collective save/load (checkpoint.py).
+- `save_model`, the checkpoint hooks and `_load_best_model`: the booster's collective save/load (checkpoint.py).
 - TRL's SFTTrainer / DPOTrainer: compute_loss gets the boosted model answering TRL's fused-LM-head calls, DPO's
   reference model is boosted too, and TRL's options the plugin cannot run are refused (trl_support.py).
 """
@@ -34,6 +35,7 @@ from transformers import Trainer
 
 from .. import Booster
 from .checkpoint import CheckpointHooks
+from .compat import COUNT_DIVIDED_BY_TP_SIZE, activation_checkpointing, checkpointing_argument
 from .data import Replica, dataloader_params, replica_dataloader
 from .gather import gather_replicas, replica_representatives
 from .pipeline_step import AccumulationWindow, concat_batches, logits_on_every_stage, pipeline_loss
@@ -68,12 +70,11 @@ class HybridParallelTrainerMixin(CheckpointHooks):
                             f"only with TrainingArguments(use_cpu=True)")
         if self.model_init is not None:
             problems.append("model_init (hyperparameter search): pass the model itself")
-        if args.activation_checkpointing:
-            problems.append("activation_checkpointing=True: use HybridParallelPlugin(gradient_checkpoint_config=...)")
+        if activation_checkpointing(args):
+            problems.append(f"{checkpointing_argument()}=True: use HybridParallelPlugin(gradient_checkpoint_config="
+                            f"...)")
         if args.train_sampling_strategy == "batch_rebalance":
             problems.append("train_sampling_strategy='batch_rebalance' (its sampler shards over the world)")
-        if args.load_best_model_at_end:
-            problems.append("load_best_model_at_end=True (not yet)")
         if args.torch_compile:
             problems.append("torch_compile=True (accelerate would compile the model it wraps; this one is not)")
         if args.fp16 or args.bf16:
@@ -130,10 +131,24 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         return self.args.world_size // self.plugin.dp_size
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """The loss items of the window over the replicas (this replica's alone without
+        average_tokens_across_devices), whatever the transformers release divided (compat.py)."""
         count = super()._get_num_items_in_batch(batch_samples, device)
-        if torch.is_tensor(count) and not self.args.average_tokens_across_devices:
+        gathered = self.args.average_tokens_across_devices
+        if torch.is_tensor(count) and COUNT_DIVIDED_BY_TP_SIZE and not gathered:
             count = count * self.get_tp_size()  # Trainer divided this replica's own count too
+        elif torch.is_tensor(count) and not COUNT_DIVIDED_BY_TP_SIZE and gathered:
+            count = count / self.get_tp_size()  # the world's count: each replica's items once per rank of it
         return count
+
+    def _unscale_world_loss(self, loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+        """Trainer's compute_loss before transformers 5.19 scales a token-normalised loss by the world size, not by
+        the replicas (world / get_tp_size()): divided back here (compat.py)."""
+        scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        if not COUNT_DIVIDED_BY_TP_SIZE and self.args.average_tokens_across_devices and \
+                num_items_in_batch is not None and scaled:
+            return loss / self.get_tp_size()
+        return loss
 
     # -- data ------------------------------------------------------------------------------------------------
     def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
@@ -185,7 +200,8 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(self._loss_model(model), inputs, num_items_in_batch=num_items_in_batch)
-        scaled = self.loss_is_scaled_for_ga
+            loss = self._unscale_world_loss(loss, num_items_in_batch)
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # (from transformers 5.19)
         if scaled is None:  # as Trainer.training_step decides
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
                 self.compute_loss_func is not None
@@ -216,7 +232,10 @@ class HybridParallelTrainerMixin(CheckpointHooks):
     def prediction_step(self, model: nn.Module, inputs: Dict[str, Any], prediction_loss_only: bool,
                         ignore_keys=None):
         if self.plugin.pp_size == 1:
-            return super().prediction_step(self._loss_model(model), inputs, prediction_loss_only, ignore_keys)
+            loss, logits, labels = super().prediction_step(self._loss_model(model), inputs, prediction_loss_only, ignore_keys)
+            if loss is not None and not COUNT_DIVIDED_BY_TP_SIZE:  # counted as Trainer's prediction_step counts
+                loss = self._unscale_world_loss(loss, self._get_num_items_in_batch([inputs], self.args.device))
+            return loss, logits, labels
         inputs = self._prepare_inputs(inputs)
         num_items = self._get_num_items_in_batch([inputs], self.args.device)
         with torch.no_grad():

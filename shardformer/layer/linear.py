@@ -22,7 +22,7 @@ from pipeline.split_backward import linear, linear_param_grads, stored_linear
 from .axis import Axis, OnAxis, checked_axis
 from .comm import gather_from_sequence, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence, split_to_tp
 from .conv1d import is_conv1d
-from .region import RegionInput, join_region, region_input_of, set_region_input
+from .region import RegionInput, RegionSlot
 from .sequence_shard import SequenceShard, split_dim
 from .spec import UnshardedStateDict, TPSpec, get_tp_spec, set_tp_spec, shard_parameter, zero_padding
 
@@ -112,7 +112,7 @@ class ColumnParallelLinear(OnAxis, UnshardedStateDict, nn.Module):
         # a region member (layer/region.py): sibling projections (q, k, v; gate, up) that read exactly the
         # enclosing module's input share one entry into the tp region, so their summed input gradient is all-reduced
         # (or, with sequence parallelism, reduce-scattered) once, not once each; any other input enters here
-        join_region(self)
+        self.region_slot = RegionSlot()
         # split_gather sequence parallelism: the sequence dimension of the input (None: off)
         self.sequence_dim: int | None = None
         # compute the weight gradient while the input gradient is summed over tp (layer/deferred.py)
@@ -131,12 +131,12 @@ class ColumnParallelLinear(OnAxis, UnshardedStateDict, nn.Module):
 
     @property
     def region_input(self) -> RegionInput | None:
-        """The enclosing region's input while the sharder's region hooks run it (region.region_input_of)."""
-        return region_input_of(self)
+        """The enclosing region's input while the sharder's region hooks run it (its region_slot, layer/region.py)."""
+        return self.region_slot.region
 
     @region_input.setter
     def region_input(self, region: RegionInput | None) -> None:
-        set_region_input(self, region)
+        self.region_slot.region = region
 
     @property
     def output_start(self) -> int:

@@ -27,8 +27,8 @@ from .comm import copy_to_tp, gather_from_sequence, get_tp_world_size
 from .deferred import Deferring, enter_deferring
 from .sequence_shard import SequenceShard, split_dim
 
-__all__ = ["RegionInput", "ShardSource", "enter_region", "join_region", "is_region_member", "region_input_of",
-           "set_region_input"]
+__all__ = ["RegionInput", "RegionSlot", "ShardSource", "enter_region", "join_region", "is_region_member",
+           "region_input_of", "set_region_input"]
 
 
 class ShardSource(NamedTuple):
@@ -77,25 +77,41 @@ def enter_region(x: Tensor, group: Optional[ProcessGroup], sequence_dim: Optiona
     return RegionInput(gather_from_sequence(x, dim, group), group, ShardSource(x, SequenceShard(dim, group)))
 
 
-# module -> the input of the region it runs in (None outside one): the modules that read a region's input
-_REGION_INPUTS: "WeakKeyDictionary[nn.Module, Optional[RegionInput]]" = WeakKeyDictionary()
+class RegionSlot:
+    """Where a region member finds the input of the region it runs in (None outside one). Its holders keep it (the
+    region's hooks, the member's own hooks, our column layers as `region_slot`) and read or set `region` in forward,
+    without looking anything up: a compiled layer traces no registry."""
+    __slots__ = ("region",)
+
+    def __init__(self) -> None:
+        self.region: Optional[RegionInput] = None
 
 
-def join_region(module: nn.Module) -> None:
-    """Make `module` a region member: the enclosing region's hook tells it its input (`region_input_of`)."""
-    _REGION_INPUTS.setdefault(module, None)
+# module -> its slot, for modules we do not own (our layers hold theirs as `region_slot`)
+_SLOTS: "WeakKeyDictionary[nn.Module, RegionSlot]" = WeakKeyDictionary()
+
+
+def join_region(module: nn.Module) -> RegionSlot:
+    """Make `module` a region member (at sharding): its slot, which the enclosing region's hooks fill."""
+    own = getattr(module, "region_slot", None)
+    if isinstance(own, RegionSlot):
+        return own
+    slot = _SLOTS.get(module)
+    if slot is None:
+        slot = _SLOTS[module] = RegionSlot()
+    return slot
 
 
 def is_region_member(module: nn.Module) -> bool:
     """Did `module` join a region (`join_region`)?"""
-    return module in _REGION_INPUTS
+    return isinstance(getattr(module, "region_slot", None), RegionSlot) or module in _SLOTS
 
 
 def region_input_of(module: nn.Module) -> Optional[RegionInput]:
     """The input of the region `module` runs in now, or None."""
-    return _REGION_INPUTS.get(module)
+    return join_region(module).region if is_region_member(module) else None
 
 
 def set_region_input(module: nn.Module, region: Optional[RegionInput]) -> None:
     """Tell `module` the input of the region it runs in (None: it runs in none)."""
-    _REGION_INPUTS[module] = region
+    join_region(module).region = region

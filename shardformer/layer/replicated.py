@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 from pipeline.context import Axis
 
 from .comm import copy_to_tp, get_tp_world_size, start_sum
-from .region import join_region, region_input_of
+from .region import RegionSlot, join_region
 from .tensor_registry import tensor_registry
 
 __all__ = ["sum_grads_over_tp", "sum_grad_over_tp", "grad_summed_over", "keep_own_heads", "sum_tail_grad_over_tp"]
@@ -69,18 +69,18 @@ def keep_own_heads(module: nn.Module, num_heads: int, tp: Axis, tail: int = 0) -
         raise ValueError(f"tp_size={world} neither divides nor is a multiple of the {num_heads} heads of {module}: "
                          f"use a tp size that does.")
     head_dim = (module.weight.shape[0] - tail) // num_heads
-    join_region(module)  # like a column layer: its input gradient covers this rank's heads only
-    module.register_forward_pre_hook(functools.partial(_copied_input, group))
+    slot = join_region(module)  # like a column layer: its input gradient covers this rank's heads only
+    module.register_forward_pre_hook(functools.partial(_copied_input, group, slot))
     kept = max(1, num_heads // world)
     module.register_forward_hook(functools.partial(_narrow, rank * num_heads // world * head_dim, kept * head_dim,
                                                    tail))
     sum_grads_over_tp(module, group)
 
 
-def _copied_input(group: ProcessGroup | None, module: nn.Module, args):
+def _copied_input(group: ProcessGroup | None, slot: RegionSlot, module: nn.Module, args):
     """The input's gradient summed over the group: the region's shared copy when it reads exactly the region's
     input (see region.RegionInput), else its own copy."""
-    x, region = args[0], region_input_of(module)
+    x, region = args[0], slot.region
     return (region.copied() if region is not None and region.holds(x) else copy_to_tp(x, group), *args[1:])
 
 

@@ -24,7 +24,7 @@ from pipeline.context import Axis
 
 from ..layer.dropout import wrap_module_forward_in_local_rng, wrap_module_forward_in_shared_rng
 from ..layer.linear import ColumnParallelLinear, RowParallelLinear
-from ..layer.region import enter_region, region_input_of, set_region_input
+from ..layer.region import enter_region
 from ..layer.replicated import sum_grads_over_tp
 from ..layer.spec import TPSpec, shard_parameter
 from .styles import Colwise, GradAllReduce, OwnHeads, Rowwise
@@ -142,7 +142,7 @@ def shard_lora_layer(layer: nn.Module, style, tp: Axis, rng_tracker=None) -> Non
 
 class _CopyInputOnce:
     """Forward hooks of a LoRA layer on a column-parallel base: base and lora_A read the same entered input. The
-    sharder's region hook may have made it (`region_input_of(base)`, layer/region.py); otherwise the layer enters the
+    sharder's region hook may have made it (`base.region_slot`, layer/region.py); otherwise the layer enters the
     tp region here (a copy, or with split_gather the gathered sequence), and the base's previous region input is
     restored after the layer's forward."""
 
@@ -155,11 +155,11 @@ class _CopyInputOnce:
     def pre(self, layer: nn.Module, args, kwargs):
         base = layer.base_layer
         x = args[0] if args else kwargs["x"]
-        region = region_input_of(base)
+        region = base.region_slot.region
         if region is None or not region.holds(x):
             self.previous = region
             region = enter_region(x, self.group, base.sequence_dim if base.training else None)
-            set_region_input(base, region)
+            base.region_slot.region = region
         entered = region.copied()
         if args:
             return (entered, *args[1:]), kwargs
@@ -167,5 +167,5 @@ class _CopyInputOnce:
 
     def post(self, layer: nn.Module, args, output) -> None:
         if self.previous is not self._UNSET:
-            set_region_input(layer.base_layer, self.previous)
+            layer.base_layer.region_slot.region = self.previous
             self.previous = self._UNSET

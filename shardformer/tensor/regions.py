@@ -13,7 +13,7 @@ from torch.distributed import ProcessGroup
 from pipeline.context import Axis
 
 from ..layer.linear import ColumnParallelLinear
-from ..layer.region import enter_region, is_region_member, set_region_input
+from ..layer.region import enter_region, is_region_member, join_region
 from ..paths import match
 
 if TYPE_CHECKING:  # the plan's type only: plans import this room's vocabulary, not the reverse
@@ -48,13 +48,14 @@ class _RegionEntry:
 
     def __init__(self, members: List[nn.Module], group: ProcessGroup, sequence_dim: Optional[int]) -> None:
         self.members, self.group, self.sequence_dim = members, group, sequence_dim
+        self.slots = [join_region(m) for m in members]  # set in forward: nothing looked up then
 
     def __call__(self, module, args, kwargs):
         key = None if args else ("hidden_states" if "hidden_states" in kwargs else next(iter(kwargs)))
         x = args[0] if args else kwargs[key]
         region = enter_region(x, self.group, self.sequence_dim if module.training else None, self.members)
-        for member in self.members:
-            set_region_input(member, region)
+        for slot in self.slots:
+            slot.region = region
         if region.shard is None:
             return None
         if args:
@@ -66,8 +67,8 @@ class _RegionExit:
     """Forward hook: forget the region's input (no reference kept past the region's forward)."""
 
     def __init__(self, members: List[nn.Module]) -> None:
-        self.members = members
+        self.slots = [join_region(m) for m in members]
 
     def __call__(self, module, args, output):
-        for member in self.members:
-            set_region_input(member, None)
+        for slot in self.slots:
+            slot.region = None

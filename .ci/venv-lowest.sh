@@ -31,7 +31,7 @@ matches() {
 import sys
 from importlib.metadata import version
 from packaging.version import Version
-for name in ("peft", "pytest", "safetensors", "tqdm"):  # the test dependencies are there
+for name in ("accelerate", "peft", "pytest", "safetensors", "tqdm"):  # the test dependencies are there
     version(name)
 def release(v):
     r = Version(v).release
@@ -52,7 +52,7 @@ if ! matches; then
     "$BASE_PYTHON" -m venv "$VENV"
     # torch's PyPI wheel is the CUDA build (with its nvidia-* packages); it runs on CPU as well
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-        "torch==$TORCH" "transformers==$TRANSFORMERS" pytest peft safetensors tqdm packaging >&2
+        "torch==$TORCH" "transformers==$TRANSFORMERS" pytest peft "accelerate>=1.15" safetensors tqdm packaging >&2
     matches || { echo "venv-lowest: $VENV does not hold torch==$TORCH, transformers==$TRANSFORMERS" >&2; exit 1; }
 fi
 echo "venv-lowest: $VENV (torch $TORCH, transformers $TRANSFORMERS)" >&2

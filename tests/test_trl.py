@@ -7,6 +7,7 @@ restarting per document) at tp=2 x pp=2, Ulysses over sp=2 x pp=2 and ring atten
 (policy and reference model on the plugin, chosen and rejected in one step) at tp=2 x dp=2 (ZeRO-1), and refused
 under pp."""
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -73,8 +74,9 @@ def _sft_config(output_dir: str, batch: int, **overrides):
                          pad_to_multiple_of=MAX_LENGTH * batch, **overrides)
 
 
-def _dpo_config(output_dir: str, batch: int):
-    return trl.DPOConfig(**_common(output_dir, batch), beta=0.2)
+def _dpo_config(output_dir: str, batch: int, loss_type: str):
+    # padded to one length: pp stacks a window's batches
+    return trl.DPOConfig(**_common(output_dir, batch), beta=0.2, loss_type=[loss_type], pad_to_multiple_of=MAX_LENGTH)
 
 
 def _lora():
@@ -104,15 +106,17 @@ class Run:
         model.load_state_dict(self.initial)
         return model
 
-    def trainer(self, output_dir: str, batch: int, trainer_class, loss_type: str = "nll", rows: int = 64, **extra):
+    def trainer(self, output_dir: str, batch: int, trainer_class, loss_type: Optional[str] = None, rows: int = 64,
+                **extra):
         kwargs = dict(model=self.model(), processing_class=_tokenizer(), **extra)
         if self.kind == "sft" and not self.lora:  # completion-only loss (prompt-completion rows)
-            kwargs.update(args=_sft_config(output_dir, batch, loss_type=loss_type), train_dataset=_completions(rows))
+            kwargs.update(args=_sft_config(output_dir, batch, loss_type=loss_type or "nll"),
+                          train_dataset=_completions(rows))
         elif self.kind == "sft":  # assistant-only loss (conversations), LoRA adapters
             kwargs.update(args=_sft_config(output_dir, batch, assistant_only_loss=True),
                           train_dataset=_conversations(rows), peft_config=_lora())
         else:
-            kwargs.update(args=_dpo_config(output_dir, batch), train_dataset=_preferences(rows),
+            kwargs.update(args=_dpo_config(output_dir, batch, loss_type or "sigmoid"), train_dataset=_preferences(rows),
                           ref_model=self.model())
         return trainer_class(**kwargs)
 
@@ -154,8 +158,8 @@ def _check_refusals(runs: dict, directory: str) -> None:
     class DPO(HybridParallelTrainerMixin, trl.DPOTrainer):  # the mixin on TRL's own class
         pass
 
-    with pytest.raises(ValueError, match="DPOTrainer under pp_size > 1.*use pp_size=1"):
-        runs["dpo"].trainer(directory, BATCH, DPO, rows=4, plugin=HybridParallelPlugin(pp_size=2))
+    with pytest.raises(ValueError, match="loss_type=\\['ipo'\\].*use loss_type='sigmoid'"):
+        runs["dpo"].trainer(directory, BATCH, DPO, rows=4, loss_type="ipo", plugin=HybridParallelPlugin(pp_size=2))
     with pytest.raises(ValueError, match="use loss_type='nll'"):
         runs["sft"].trainer(directory, BATCH, HybridParallelSFTTrainer, rows=4, loss_type="dft",
                             plugin=HybridParallelPlugin(pp_size=2))
@@ -172,11 +176,13 @@ def _layouts(runs: dict, references: dict, directory: str) -> None:
            os.path.join(directory, "sft_ring2dp2"))
     _check(runs["lora"], references["lora", 2], dict(tp_size=2, zero_stage=1), os.path.join(directory, "lora"))
     _check(runs["dpo"], references["dpo", 2], dict(tp_size=2, zero_stage=1), os.path.join(directory, "dpo"))
+    _check(runs["dpo"], references["dpo", 1], dict(tp_size=2, pp_size=2, num_microbatches=2),
+           os.path.join(directory, "dpo_tp2pp2"))
 
 
 def test_trl_trainers_equal_one_process(tmp_path):
     runs = {"sft": Run("sft"), "lora": Run("sft", lora=True), "dpo": Run("dpo")}
     references = {(name, replicas): runs[name].reference(str(tmp_path / f"ref_{name}{replicas}"), replicas)
-                  for name, replicas in (("sft", 1), ("sft", 2), ("lora", 2), ("dpo", 2))}
+                  for name, replicas in (("sft", 1), ("sft", 2), ("lora", 2), ("dpo", 2), ("dpo", 1))}
     run_distributed(4, _layouts, runs, references, str(tmp_path))
 

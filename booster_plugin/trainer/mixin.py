@@ -39,7 +39,8 @@ from .compat import COUNT_DIVIDED_BY_TP_SIZE, activation_checkpointing, checkpoi
 from .data import Replica, dataloader_params, replica_dataloader
 from .gather import gather_replicas, replica_representatives
 from .pipeline_step import AccumulationWindow, concat_batches, logits_on_every_stage, pipeline_loss
-from .trl_support import FusedHeadOnPlugin, attach, is_trl_trainer, trl_problems
+from .dpo_pipeline import dpo_pipeline_loss
+from .trl_support import FusedHeadOnPlugin, attach, is_trl, is_trl_trainer, trl_problems
 
 
 class HybridParallelTrainerMixin(CheckpointHooks):
@@ -215,6 +216,8 @@ class HybridParallelTrainerMixin(CheckpointHooks):
                                 num_items_in_batch) -> torch.Tensor:
         """One pipeline step over the window's batches; their summed loss (what Trainer's per-batch steps add)."""
         model.train()
+        if is_trl(self, "DPOTrainer"):  # DPO's loss in the pipeline's criterion (dpo_pipeline.py)
+            return dpo_pipeline_loss(self, model, batches).detach().to(self.args.device)
         batch = self._prepare_inputs(concat_batches(batches))
         out = pipeline_loss(self.booster, model, self.optimizer, batch, num_items_in_batch,
                             self._dp_loss_scale(num_items_in_batch))

@@ -7,8 +7,8 @@ log-probabilities (`FusedCausalLMOutput`). On the plugin that weight is this ran
 states may be this rank's part of the sequence, so the call is answered here instead (`FusedHeadOnPlugin`): the
 boosted model runs its own forward without labels (full sequence; under tp the training logits vocab-sharded, then
 gathered with the gradient split back), and the per-token fields TRL reads are computed from those logits as TRL's
-kernel defines them. Under pp the pipeline takes the model's own loss: SFTTrainer's `nll` loss is exactly that
-(token-weighted with `num_items_in_batch`), DPO's per-sequence loss is not (refused).
+kernel defines them. Under pp the pipeline takes the model's own loss for SFTTrainer (its `nll` loss is exactly that,
+token-weighted with `num_items_in_batch`); DPOTrainer's step computes DPO's loss in a criterion (dpo_pipeline.py).
 
 DPOTrainer's reference model is boosted on the plugin's layout too (same plugin, no optimizer, eval mode).
 Padding-free batches lose the flash-attention-only keys (`cu_seq_lens_*`, `max_length_*`, `seq_idx`): the plugin's
@@ -65,9 +65,8 @@ def trl_problems(trainer: Any) -> List[str]:
     if not is_trl(trainer, "DPOTrainer"):
         return problems
     if pp:
-        problems.append("DPOTrainer under pp_size > 1: its loss needs each sequence's summed log-probabilities, "
-                        "which the pipeline's last stage never returns (it takes the model's own loss): use "
-                        "pp_size=1 with tp, sp, dp/ZeRO")
+        from .dpo_pipeline import dpo_pipeline_problems
+        problems += dpo_pipeline_problems(trainer)
     if trainer.precompute_ref_logps:
         problems.append("DPOConfig(precompute_ref_log_probs=True) (DPOTrainer computes them in __init__, on the "
                         "whole unsharded model): pass ref_model=... instead, which runs on the plugin's layout")

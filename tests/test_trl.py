@@ -136,8 +136,11 @@ def _check(run: Run, reference: dict, plugin_kwargs: dict, output_dir: str) -> N
     what = f"{run.kind}{' lora' if run.lora else ''} {plugin_kwargs}"
     logs, expected = _logs(trainer), reference["logs"]
     assert len(logs["loss"]) == STEPS, logs
-    # TRL's metrics come from its compute_loss, which the pipeline replaces by the model's own loss under pp
+    # TRL's metrics come from its compute_loss, which the pipeline replaces by the model's own loss (SFT) or the
+    # DPO criterion (its reward and log-probability metrics) under pp
     keys = expected if plugin_kwargs.get("pp_size", 1) == 1 else ("loss", "grad_norm", "learning_rate")
+    if run.kind == "dpo" and plugin_kwargs.get("pp_size", 1) > 1:  # DPO's criterion counts its pairs' metrics
+        keys = (*keys, *[key for key in expected if key.startswith(("rewards/", "logps/"))])
     assert set(keys) <= set(logs), (sorted(keys), sorted(logs))
     for key in keys:
         mu.assert_close(torch.tensor(logs[key]), torch.tensor(expected[key]), f"{what}: logged {key}")
@@ -159,7 +162,10 @@ def _check_refusals(runs: dict, directory: str) -> None:
         pass
 
     with pytest.raises(ValueError, match="loss_type=\\['ipo'\\].*use loss_type='sigmoid'"):
-        runs["dpo"].trainer(directory, BATCH, DPO, rows=4, loss_type="ipo", plugin=HybridParallelPlugin(pp_size=2))
+        runs["dpo"].trainer(directory, BATCH, DPO, rows=4, loss_type="ipo",
+                            plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2))
+    with pytest.raises(ValueError, match="would split \\(chosen, rejected\\) pairs.*num_microbatches="):
+        runs["dpo"].trainer(directory, BATCH, DPO, rows=4, plugin=HybridParallelPlugin(pp_size=2))
     with pytest.raises(ValueError, match="use loss_type='nll'"):
         runs["sft"].trainer(directory, BATCH, HybridParallelSFTTrainer, rows=4, loss_type="dft",
                             plugin=HybridParallelPlugin(pp_size=2))
@@ -178,6 +184,8 @@ def _layouts(runs: dict, references: dict, directory: str) -> None:
     _check(runs["dpo"], references["dpo", 2], dict(tp_size=2, zero_stage=1), os.path.join(directory, "dpo"))
     _check(runs["dpo"], references["dpo", 1], dict(tp_size=2, pp_size=2, num_microbatches=2),
            os.path.join(directory, "dpo_tp2pp2"))
+    _check(runs["dpo"], references["dpo", 2], dict(pp_size=2, zero_stage=1, microbatch_size=2),
+           os.path.join(directory, "dpo_pp2dp2"))
 
 
 def test_trl_trainers_equal_one_process(tmp_path):

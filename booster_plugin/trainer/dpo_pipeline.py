@@ -7,21 +7,29 @@ computes them from its logits; only the last stage needs them). The policy's ste
 the last stage, computes the microbatch's per-sequence log-probabilities from its logits (vocab-gathered under tp) and
 TRL's sigmoid DPO loss of its pairs, weighted so that the pipeline's mean over microbatches is TRL's mean over the
 window's pairs (what Trainer's per-batch steps of one process add up to: equal batches, each its mean / window).
+TRL's reward and log-probability metrics are the window's means over every replica's pairs (one entry per window,
+equal to the mean of TRL's per-batch entries); its entropy, token accuracy, mean logits and token count are not logged.
 
 The model's forward sees only input_ids and attention_mask; the completion masks and reference log-probabilities are
 the criterion's, taken in microbatch order (the last stage runs its forwards in that order)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from pipeline.groups import world_group
 
 from .trl_support import _full_vocab_logits, per_token_fields
 
 Batch = Dict[str, Any]
 MODEL_KEYS = ("input_ids", "attention_mask")
+# TRL's reward and log-probability metrics, as per-pair sums (then the pair count): their means over the window
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
 
 
 def dpo_pipeline_problems(trainer: Any) -> List[str]:
@@ -71,6 +79,7 @@ class DPOCriterion:
     beta: float
     loss_weight: float
     offset: int = 0
+    sums: torch.Tensor = field(default_factory=lambda: torch.zeros(len(METRICS) + 1, dtype=torch.float64))
 
     def __call__(self, outputs: Any, micro_batch: Batch) -> torch.Tensor:
         input_ids = micro_batch["input_ids"]
@@ -85,7 +94,21 @@ class DPOCriterion:
         logps = sequence_logps(logits, input_ids, self.completion_mask[window]).view(-1, 2)
         ratios = logps - self.reference_logps[window].view(-1, 2)
         per_pair = -F.logsigmoid(self.beta * (ratios[:, 0] - ratios[:, 1])) * self.loss_weight
+        self._count(logps.detach(), self.beta * ratios.detach())
         return per_pair.sum() / (total // 2) * (total / rows)
+
+
+    def _count(self, logps: torch.Tensor, rewards: torch.Tensor) -> None:
+        chosen, rejected = rewards[:, 0], rewards[:, 1]
+        values = (chosen, rejected, (chosen > rejected).float(), chosen - rejected, logps[:, 0], logps[:, 1])
+        self.sums += torch.stack([v.double().sum().cpu() for v in values] + [torch.tensor(float(len(chosen)))])
+
+
+def window_metrics(sums: torch.Tensor) -> Dict[str, float]:
+    """TRL's metrics over every replica's pairs of the window (collective over the world: the last stage's ranks
+    hold the sums, each replica's as often as the others')."""
+    dist.all_reduce(sums, group=world_group())
+    return {name: float(sums[i] / sums[-1]) for i, name in enumerate(METRICS)}
 
 
 def reference_logps(booster, reference: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -111,4 +134,6 @@ def dpo_pipeline_loss(trainer: Any, model: torch.nn.Module, batches: List[Batch]
                              float(trainer.loss_weights[0]))
     inputs = {key: batch[key] for key in MODEL_KEYS}
     out = trainer.booster.execute_pipeline(iter([inputs]), model, criterion, trainer.optimizer, return_loss=True)
+    for name, value in window_metrics(criterion.sums).items():  # one entry per window: TRL logs their mean
+        trainer._metrics["train"][name].append(value)
     return out["loss"]

@@ -4,8 +4,9 @@ token accuracy, token count, DPO's rewards, log-probabilities and mean logits, w
 parameters at the end, 1e-5, fp32. SFTTrainer with completion-only loss on packed, padding-free rows (position_ids
 restarting per document) at tp=2 x pp=2, Ulysses over sp=2 x pp=2 and ring attention over sp=2 x dp=2, LoRA through
 `peft_config` with assistant-only loss (a chat template's generation marks) at tp=2 x dp=2 (ZeRO-1); DPOTrainer
-(policy and reference model on the plugin, chosen and rejected in one step) at tp=2 x dp=2 (ZeRO-1), and refused
-under pp."""
+(policy and reference model on the plugin, chosen and rejected in one step) at tp=2 x dp=2 (ZeRO-1), and under pp
+(one pipeline step per window, pairs kept whole in microbatches; its reward and log-probability metrics) at tp=2 x
+pp=2 and pp=2 x dp=2 (ZeRO-1)."""
 import os
 from typing import Optional
 
@@ -145,6 +146,9 @@ def _check(run: Run, reference: dict, plugin_kwargs: dict, output_dir: str) -> N
     for key in keys:
         mu.assert_close(torch.tensor(logs[key]), torch.tensor(expected[key]), f"{what}: logged {key}")
     assert max(expected["grad_norm"]) > 0.15, "the test should clip"
+    if run.kind == "dpo" and plugin_kwargs.get("pp_size", 1) > 1:
+        with pytest.raises(ValueError, match="evaluate\\(\\) / predict\\(\\) under pp_size > 1"):
+            trainer.prediction_step(trainer.model_wrapped, {}, prediction_loss_only=True)
     model = trainer.model_wrapped
     for name, param in model.unwrap(unwrap_peft=False).named_parameters():
         if param.requires_grad:

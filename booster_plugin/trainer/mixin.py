@@ -20,7 +20,8 @@ Overrides (each of the installed Trainer, transformers 5.x), and why:
 - `gather_function` (a property: Trainer assigns it): evaluation results gathered over replicas, not processes.
 - `save_model`, the checkpoint hooks and `_load_best_model`: the booster's collective save/load (checkpoint.py).
 - TRL's SFTTrainer / DPOTrainer: compute_loss gets the boosted model answering TRL's fused-LM-head calls, DPO's
-  reference model is boosted too, and TRL's options the plugin cannot run are refused (trl_support.py).
+  reference model is boosted too, and TRL's options the plugin cannot run are refused (trl_support.py); DPO's
+  pipeline step (dpo_pipeline.py).
 """
 from __future__ import annotations
 
@@ -239,6 +240,9 @@ class HybridParallelTrainerMixin(CheckpointHooks):
             if loss is not None and not COUNT_DIVIDED_BY_TP_SIZE:  # counted as Trainer's prediction_step counts
                 loss = self._unscale_world_loss(loss, self._get_num_items_in_batch([inputs], self.args.device))
             return loss, logits, labels
+        if is_trl(self, "DPOTrainer"):
+            raise ValueError("HybridParallelDPOTrainer does not support evaluate() / predict() under pp_size > 1 "
+                             "(its pipeline step trains): evaluate with pp_size=1.")
         inputs = self._prepare_inputs(inputs)
         num_items = self._get_num_items_in_batch([inputs], self.args.device)
         with torch.no_grad():

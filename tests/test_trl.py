@@ -165,9 +165,11 @@ def _check_refusals(runs: dict, directory: str) -> None:
     class DPO(HybridParallelTrainerMixin, trl.DPOTrainer):  # the mixin on TRL's own class
         pass
 
-    with pytest.raises(ValueError, match="loss_type=\\['ipo'\\].*use loss_type='sigmoid'"):
+    sequence_parallel = dict(sp_size=2, enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")
+    with pytest.raises(ValueError, match="loss_type=\\['ipo'\\].*use loss_type='sigmoid'.*sequence parallelism "
+                                         "\\('all_to_all'\\) under pp_size > 1"):
         runs["dpo"].trainer(directory, BATCH, DPO, rows=4, loss_type="ipo",
-                            plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2))
+                            plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2, **sequence_parallel))
     with pytest.raises(ValueError, match="would split \\(chosen, rejected\\) pairs.*num_microbatches="):
         runs["dpo"].trainer(directory, BATCH, DPO, rows=4, plugin=HybridParallelPlugin(pp_size=2))
     with pytest.raises(ValueError, match="use loss_type='nll'"):

@@ -11,7 +11,8 @@ TRL's reward and log-probability metrics are the window's means over every repli
 equal to the mean of TRL's per-batch entries); its entropy, token accuracy, mean logits and token count are not logged.
 
 The model's forward sees only input_ids and attention_mask; the completion masks and reference log-probabilities are
-the criterion's, taken in microbatch order (the last stage runs its forwards in that order)."""
+the criterion's, taken in microbatch order (the last stage runs its forwards in that order; checked against each
+microbatch's input_ids)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,6 +47,9 @@ def dpo_pipeline_problems(trainer: Any) -> List[str]:
         problems.append("DPOTrainer under pp_size > 1 without num_microbatches, or with an odd microbatch_size (the "
                         "pipeline would split (chosen, rejected) pairs): give HybridParallelPlugin(num_microbatches="
                         "...) dividing each accumulation window's pairs, or an even microbatch_size")
+    if trainer.plugin.sp_mode is not None:
+        problems.append(f"DPOTrainer with sequence parallelism ({trainer.plugin.sp_mode!r}) under pp_size > 1 (the "
+                        f"last stage's logits are split over the sequence): use sp with pp_size=1, or pp without sp")
     if trainer.ld_alpha is not None or trainer.use_weighting:
         problems.append("DPOConfig(ld_alpha=...) or use_weighting=True under pp_size > 1: drop them, or use pp_size=1")
     if type(trainer).compute_loss is not DPOTrainer.compute_loss or \
@@ -74,6 +78,7 @@ class DPOCriterion:
     """The policy step's criterion: DPO's sigmoid loss of a microbatch's pairs against the reference log-probs,
     as its share of the mean over the window's `pairs`, times the number of (equal) microbatches."""
     model: torch.nn.Module
+    input_ids: torch.Tensor
     completion_mask: torch.Tensor
     reference_logps: torch.Tensor
     beta: float
@@ -90,6 +95,9 @@ class DPOCriterion:
                              f"window's {total // 2} pairs into whole pairs.")
         window = slice(self.offset, self.offset + rows)
         self.offset += rows
+        if not torch.equal(input_ids, self.input_ids[window]):
+            raise RuntimeError("DPOTrainer under pipeline parallelism: the last stage's microbatches came out of order "
+                               "(this schedule does not run its forwards in microbatch order); use pp_style='1f1b'.")
         logits = _full_vocab_logits(self.model, outputs["logits"])
         logps = sequence_logps(logits, input_ids, self.completion_mask[window]).view(-1, 2)
         ratios = logps - self.reference_logps[window].view(-1, 2)
@@ -130,7 +138,7 @@ def dpo_pipeline_loss(trainer: Any, model: torch.nn.Module, batches: List[Batch]
 
     batch = trainer._prepare_inputs(concat_batches([pair_major(b) for b in batches]))
     reference = reference_logps(trainer.booster, trainer.ref_model.boosted, batch)
-    criterion = DPOCriterion(model.unwrap(), batch["completion_mask"], reference, trainer.beta,
+    criterion = DPOCriterion(model.unwrap(), batch["input_ids"], batch["completion_mask"], reference, trainer.beta,
                              float(trainer.loss_weights[0]))
     inputs = {key: batch[key] for key in MODEL_KEYS}
     out = trainer.booster.execute_pipeline(iter([inputs]), model, criterion, trainer.optimizer, return_loss=True)

@@ -49,7 +49,8 @@ def dpo_pipeline_problems(trainer: Any) -> List[str]:
                         "...) dividing each accumulation window's pairs, or an even microbatch_size")
     if trainer.plugin.sp_mode is not None:
         problems.append(f"DPOTrainer with sequence parallelism ({trainer.plugin.sp_mode!r}) under pp_size > 1 (the "
-                        f"last stage's logits are split over the sequence): use sp with pp_size=1, or pp without sp")
+                        f"criterion reads whole-sequence logits, not checked under sp): use sp with pp_size=1, or pp "
+                        f"without sp")
     if trainer.ld_alpha is not None or trainer.use_weighting:
         problems.append("DPOConfig(ld_alpha=...) or use_weighting=True under pp_size > 1: drop them, or use pp_size=1")
     if type(trainer).compute_loss is not DPOTrainer.compute_loss or \

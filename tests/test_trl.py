@@ -12,9 +12,11 @@ from typing import Optional
 
 import pytest
 import torch
+import transformers
 import trl  # the test extra's (setup.py): a missing trl fails here rather than skipping
 from datasets import Dataset  # trl's own dependency
 
+from hp_check.tiny import tiny_config
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 
@@ -98,12 +100,12 @@ def _trainable(model) -> dict:
 class Run:
     """One trainer kind: how to build it (one process or on a plugin) from the same initial model."""
 
-    def __init__(self, kind: str, lora: bool = False) -> None:
-        self.kind, self.lora = kind, lora
-        self.initial = mu.build("llama_packed_lm").state_dict()
+    def __init__(self, kind: str, lora: bool = False, model_kind: str = "llama_packed_lm") -> None:
+        self.kind, self.lora, self.model_kind = kind, lora, model_kind
+        self.initial = mu.build(model_kind).state_dict()
 
     def model(self):
-        model = mu.build("llama_packed_lm", seed=1)
+        model = mu.build(self.model_kind, seed=1)
         model.load_state_dict(self.initial)
         return model
 
@@ -150,10 +152,12 @@ def _check(run: Run, reference: dict, plugin_kwargs: dict, output_dir: str) -> N
         with pytest.raises(ValueError, match="evaluate\\(\\) / predict\\(\\) under pp_size > 1"):
             trainer.prediction_step(trainer.model_wrapped, {}, prediction_loss_only=True)
     model = trainer.model_wrapped
+    experts = model.info.expert_params  # (their names): split over ep as well
     for name, param in model.unwrap(unwrap_peft=False).named_parameters():
         if param.requires_grad:
             expected = reference["final"][name]
-            full = mu.gathered(param, param.detach(), trainer.plugin.tp_group)
+            full = mu.gathered(param, param.detach(), trainer.plugin.tp_group,
+                               trainer.plugin.ctx.ep.group if name in experts else None)
             full = full[tuple(slice(0, size) for size in expected.shape)]  # vocabulary padding dropped
             mu.assert_close(full, expected, f"{what}: {name} after {STEPS} steps")
 
@@ -187,6 +191,8 @@ def _layouts(runs: dict, references: dict, directory: str) -> None:
                                                    sequence_parallelism_mode="ring_attn"),
            os.path.join(directory, "sft_ring2dp2"))
     _check(runs["lora"], references["lora", 2], dict(tp_size=2, zero_stage=1), os.path.join(directory, "lora"))
+    # Qwen3-MoE's experts over ep=2 (dp=2) x pp=2, ZeRO-1, packed rows
+    _check(runs["moe"], references["moe", 2], dict(ep_size=2, pp_size=2, zero_stage=1), os.path.join(directory, "moe"))
     _check(runs["dpo"], references["dpo", 2], dict(tp_size=2, zero_stage=1), os.path.join(directory, "dpo"))
     _check(runs["dpo"], references["dpo", 1], dict(tp_size=2, pp_size=2, num_microbatches=2),
            os.path.join(directory, "dpo_tp2pp2"))
@@ -194,9 +200,16 @@ def _layouts(runs: dict, references: dict, directory: str) -> None:
            os.path.join(directory, "dpo_pp2dp2"))
 
 
+# a mixture-of-experts model for SFT under expert parallelism (no router loss: TRL's own is refused, see README)
+mu.MODELS["qwen3moe_packed_lm"] = lambda n=4: transformers.Qwen3MoeForCausalLM(tiny_config(
+    transformers.Qwen3MoeConfig, num_hidden_layers=n, num_experts=4, num_experts_per_tok=2, vocab_size=mu.VOCAB,
+    use_cache=False, router_aux_loss_coef=0.0))
+
+
 def test_trl_trainers_equal_one_process(tmp_path):
-    runs = {"sft": Run("sft"), "lora": Run("sft", lora=True), "dpo": Run("dpo")}
+    runs = {"sft": Run("sft"), "lora": Run("sft", lora=True), "dpo": Run("dpo"),
+            "moe": Run("sft", model_kind="qwen3moe_packed_lm")}
     references = {(name, replicas): runs[name].reference(str(tmp_path / f"ref_{name}{replicas}"), replicas)
-                  for name, replicas in (("sft", 1), ("sft", 2), ("lora", 2), ("dpo", 2), ("dpo", 1))}
+                  for name, replicas in (("sft", 1), ("sft", 2), ("lora", 2), ("dpo", 2), ("dpo", 1), ("moe", 2))}
     run_distributed(4, _layouts, runs, references, str(tmp_path))
 

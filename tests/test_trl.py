@@ -200,15 +200,16 @@ def _layouts(runs: dict, references: dict, directory: str) -> None:
            os.path.join(directory, "dpo_pp2dp2"))
 
 
-# a mixture-of-experts model for SFT under expert parallelism (no router loss: TRL's own is refused, see README)
-mu.MODELS["qwen3moe_packed_lm"] = lambda n=4: transformers.Qwen3MoeForCausalLM(tiny_config(
+# a mixture-of-experts model for SFT under expert parallelism (no router loss: TRL's own is refused, see README);
+# a key of its own: other test modules register their MoE kinds in the same table
+mu.MODELS["trl_qwen3moe_lm"] = lambda n=4: transformers.Qwen3MoeForCausalLM(tiny_config(
     transformers.Qwen3MoeConfig, num_hidden_layers=n, num_experts=4, num_experts_per_tok=2, vocab_size=mu.VOCAB,
     use_cache=False, router_aux_loss_coef=0.0))
 
 
 def test_trl_trainers_equal_one_process(tmp_path):
     runs = {"sft": Run("sft"), "lora": Run("sft", lora=True), "dpo": Run("dpo"),
-            "moe": Run("sft", model_kind="qwen3moe_packed_lm")}
+            "moe": Run("sft", model_kind="trl_qwen3moe_lm")}
     references = {(name, replicas): runs[name].reference(str(tmp_path / f"ref_{name}{replicas}"), replicas)
                   for name, replicas in (("sft", 1), ("sft", 2), ("lora", 2), ("dpo", 2), ("dpo", 1), ("moe", 2))}
     run_distributed(4, _layouts, runs, references, str(tmp_path))

@@ -40,7 +40,7 @@ from .compat import COUNT_DIVIDED_BY_TP_SIZE, activation_checkpointing, checkpoi
 from .data import Replica, dataloader_params, replica_dataloader
 from .gather import gather_replicas, replica_representatives
 from .pipeline_step import AccumulationWindow, concat_batches, logits_on_every_stage, pipeline_loss
-from .dpo_pipeline import dpo_pipeline_loss
+from .dpo_pipeline import dpo_pipeline_loss, dpo_pipeline_problems
 from .trl_support import FusedHeadOnPlugin, attach, is_trl, is_trl_trainer, trl_problems
 
 
@@ -93,6 +93,8 @@ class HybridParallelTrainerMixin(CheckpointHooks):
             problems.append(f"HybridParallelPlugin(max_norm={self.plugin.max_norm}) and TrainingArguments("
                             f"max_grad_norm={args.max_grad_norm}) differ: set one of them")
         problems += trl_problems(self)
+        if self.plugin.pp_size > 1 and is_trl(self, "DPOTrainer"):  # what DPO's pipeline step does not run
+            problems += dpo_pipeline_problems(self)
         if problems:
             raise ValueError("HybridParallelTrainer does not support: " + "; ".join(problems) + ".")
 

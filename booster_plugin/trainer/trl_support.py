@@ -64,9 +64,6 @@ def trl_problems(trainer: Any) -> List[str]:
                         "use loss_type='nll' and no other loss, or pp_size=1")
     if not is_trl(trainer, "DPOTrainer"):
         return problems
-    if pp:
-        from .dpo_pipeline import dpo_pipeline_problems
-        problems += dpo_pipeline_problems(trainer)
     if trainer.precompute_ref_logps:
         problems.append("DPOConfig(precompute_ref_log_probs=True) (DPOTrainer computes them in __init__, on the "
                         "whole unsharded model): pass ref_model=... instead, which runs on the plugin's layout")

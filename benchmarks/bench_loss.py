@@ -13,6 +13,7 @@ Per variant, forward + backward of the loss with respect to the hidden states an
 The full variant keeps its logits alive through the backward, as a model's output holding them does.
 
 Run:  python benchmarks/bench_loss.py [--vocab 128256 --hidden 2048 --seq 2048 --rows 1 --dtype fp32 --repeats 3]
+                                      [--compiled: also the chunked loss compiled, as under compile_layers=True]
 Writes benchmarks/results/loss.json (loss_rows{N}.json with --rows N > 1).
 """
 from __future__ import annotations
@@ -41,11 +42,11 @@ def full_step(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) 
     return ForCausalLMLoss(logits, labels, vocab_size=weight.size(0)), logits
 
 
-def chunked_step(chunk):
+def chunked_step(chunk, compiled: bool = False):
     def step(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, Any]:
         targets = F.pad(labels, (0, 1), value=-100)[..., 1:]
         total = linear_cross_entropy_sum(hidden.reshape(-1, hidden.size(-1)), weight, None, targets.reshape(-1),
-                                         VocabShard(0, weight.size(0)), chunk=chunk)
+                                         VocabShard(0, weight.size(0)), chunk=chunk, compiled=compiled)
         return total / (targets != -100).sum(), None
     return step
 
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: chosen from the shapes)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compiled", action="store_true",
+                        help="also the chunked loss with its per-chunk arithmetic compiled (compile_layers=True)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,6 +122,8 @@ def main() -> None:
     labels = torch.randint(0, args.vocab, (args.rows, args.seq), generator=g).to(device)
     labels[:, : args.seq // 16] = -100  # a prompt without loss
     variants: Dict[str, Step] = {"full": full_step, "chunked": chunked_step(args.chunk)}
+    if args.compiled:
+        variants["chunked compiled"] = chunked_step(args.chunk, compiled=True)
     results: Dict[str, Any] = {"config": vars(args), "device": str(device), "tokens": args.rows * args.seq,
                                "chunk_tokens": chunk_tokens(args.rows * args.seq, args.hidden, args.vocab, args.chunk),
                                "env": _environment(device), "variants": {}}
@@ -136,6 +141,8 @@ def main() -> None:
     results["ratio_peak"] = chunked["peak_gib"] / full["peak_gib"]
     results["ratio_peak_less_weight_grad"] = chunked["peak_less_weight_grad_gib"] / full["peak_less_weight_grad_gib"]
     results["ratio_time"] = chunked["step_s"] / full["step_s"]
+    if "chunked compiled" in results["variants"]:
+        results["ratio_time_compiled"] = results["variants"]["chunked compiled"]["step_s"] / full["step_s"]
     results["max_abs_diff"] = {what: float((a.float() - b.float()).abs().max())
                                for what, a, b in zip(("loss", "hidden_grad", "weight_grad"), grads["full"],
                                                      grads["chunked"])}

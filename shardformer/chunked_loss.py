@@ -60,9 +60,9 @@ class ChunkedLoss:
     """The hooks and the loss of one model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, head: nn.Module, vocab: VocabShard, chunk: Optional[int],
-                 sequence_head: Optional[HeadOnShard]) -> None:
+                 sequence_head: Optional[HeadOnShard], compiled: bool = False) -> None:
         self.model_name = type(model).__name__
-        self.vocab, self.chunk, self.sequence_head = vocab, chunk, sequence_head
+        self.vocab, self.chunk, self.sequence_head, self.compiled = vocab, chunk, sequence_head, compiled
         self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         self.enabled = True
         self.active = False           # this forward computes the loss in chunks
@@ -139,7 +139,8 @@ class ChunkedLoss:
         if self.vocab.group is not None:  # its gradient: the sum of every vocab shard's part
             hidden = copy_to_tp(hidden, self.vocab.group)
         total = linear_cross_entropy_sum(hidden.reshape(-1, hidden.size(-1)), call.weight, call.bias,
-                                         targets.reshape(-1), self.vocab, transform, self.chunk, ignore_index)
+                                         targets.reshape(-1), self.vocab, transform, self.chunk, ignore_index,
+                                         self.compiled)
         loss = total / (count.to(total.device) if torch.is_tensor(count) else count)
         return reduce_from_tp(loss, split.tokens.group) if split is not None else loss
 
@@ -185,10 +186,11 @@ def check_chunk_size(chunk: Optional[int]) -> None:
                          f"the chunked loss choose.")
 
 
-def use_chunked_loss(model: nn.Module, chunk: Optional[int],
-                     sequence_head: Optional[HeadOnShard]) -> Optional[ChunkedLoss]:
+def use_chunked_loss(model: nn.Module, chunk: Optional[int], sequence_head: Optional[HeadOnShard],
+                     compiled: bool = False) -> Optional[ChunkedLoss]:
     """Compute `model`'s causal-LM loss in chunks in training (see the module docstring) where this stage holds the
-    LM head, an nn.Linear or ColumnParallelLinear, and the loss is transformers' causal-LM loss; None otherwise."""
+    LM head, an nn.Linear or ColumnParallelLinear, and the loss is transformers' causal-LM loss; None otherwise.
+    `compiled`: each chunk's arithmetic runs compiled (linear_cross_entropy_sum)."""
     check_chunk_size(chunk)
     if not computes_causal_lm_loss(model):
         return None
@@ -196,4 +198,4 @@ def use_chunked_loss(model: nn.Module, chunk: Optional[int],
     if head is None or isinstance(head, Released):
         return None
     vocab = _vocab_of(head)
-    return None if vocab is None else ChunkedLoss(model, head, vocab, chunk, sequence_head)
+    return None if vocab is None else ChunkedLoss(model, head, vocab, chunk, sequence_head, compiled)

@@ -38,7 +38,8 @@ class ShardConfig:
     sequence split (None = no sequence parallelism; see sequence/parallel.py), the ep axis that splits
     mixture-of-experts experts over ranks (size 1: not split; expert/sharding.py), and `chunked_loss`: a causal-LM
     loss in training computed chunk by chunk without the full logits (chunked_loss.py), `loss_chunk_size` tokens at
-    a time (None: chosen from the shapes). ColossalAI's names (`tensor_parallel_process_group`,
+    a time (None: chosen from the shapes), its per-chunk arithmetic compiled with torch.compile where
+    `compile_loss` (the plugin's compile_layers). ColossalAI's names (`tensor_parallel_process_group`,
     `expert_parallel_process_group`, `enable_sequence_parallelism`, `sequence_parallelism_mode`,
     `sequence_parallel_process_group`) are read-only views of the axes and of `sequence`."""
     tp: Axis = field(default_factory=lambda: Axis.alone("tp"))
@@ -50,6 +51,7 @@ class ShardConfig:
     sequence: Optional[SequenceSplit] = None
     chunked_loss: bool = True
     loss_chunk_size: Optional[int] = None
+    compile_loss: bool = False
 
     @property
     def tensor_parallel_process_group(self) -> Optional[dist.ProcessGroup]:

@@ -139,7 +139,8 @@ def chunked_loss(model: nn.Module, policy: Policy, ctx: ShardContext, done: Shar
     cfg = ctx.config
     if not cfg.chunked_loss:
         return done
-    return replace(done, chunked_loss=use_chunked_loss(model, cfg.loss_chunk_size, done.sequence_head))
+    return replace(done, chunked_loss=use_chunked_loss(model, cfg.loss_chunk_size, done.sequence_head,
+                                                               cfg.compile_loss))
 
 
 TRANSFORMS: Tuple[Transform, ...] = (check_and_prove, release_this_stage, tensor_parallel, expert_parallel,

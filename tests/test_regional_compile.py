@@ -6,6 +6,7 @@ functional collectives), the exit hook after a non-last pipeline stage's last la
 router-logit capture under ep."""
 from collections import Counter
 
+import pytest
 import torch
 
 from tests import model_utils as mu
@@ -49,6 +50,7 @@ def _checkpointed() -> None:
     assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"], dict(counters["graph_break"])
 
 
+@pytest.mark.cuda  # (also on the GPU: `make gpu-check`)
 def test_compiled_checkpointed_layers_world_of_one():
     """Activation checkpointing inside a compiled layer (world of one): traced into the graph, no break, exact."""
     run_distributed(1, _checkpointed)

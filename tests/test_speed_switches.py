@@ -31,8 +31,10 @@ def test_switch_mapping_on_cpu():
     with pytest.warns(UserWarning, match="Liger-Kernel's kernels are Triton kernels for CUDA GPUs; this run is on "
                                          "cpu; the compiled decoder layers"):
         assert _speed(enable_fused_normalization=True) == SpeedConfig(True, None, None)
-    with pytest.warns(UserWarning, match="fuse the norms instead"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # compiled layers fuse the norms: Liger is not asked for, nothing to say
         assert _speed(enable_all_optimization=True) == SpeedConfig(True, None, "sdpa")
+        assert _speed(enable_fused_normalization=True, enable_jit_fused=True) == SpeedConfig(True, None, None)
     with pytest.raises(ValueError, match="fused_kernels='liger': Liger-Kernel's kernels are Triton kernels for CUDA "
                                          "GPUs; this run is on cpu. Drop it; compile_layers=True"):
         _speed(fused_kernels="liger")

@@ -103,16 +103,24 @@ class DynamicLossScaler:
 def nonfinite_stages(grads: List[torch.Tensor], inv_scale: float, device: torch.device, stage: int,
                      num_stages: int) -> torch.Tensor:
     """Multiply `grads` (fp32) by `inv_scale` in place and find inf/nan with torch's AMP kernel; returns, agreed
-    over the world (one all-reduce), a bool per pipeline stage: did any rank of that stage see one?"""
+    over the world (one all-reduce), a bool per pipeline stage: did any rank of that stage see one? With
+    `inv_scale` 1 (fp32, bf16: nothing to unscale) the gradients are only read: their max-norms (inf/nan
+    propagate), half the memory traffic of the AMP kernel, which writes every gradient back."""
     found = torch.zeros(num_stages, dtype=torch.float32, device=device)
     by_device: Dict[torch.device, List[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
     for where, group in by_device.items():
-        flag = torch.zeros(1, dtype=torch.float32, device=where)
-        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=where)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
-        found[stage] += flag.to(device)[0]
+        if inv_scale == 1.0:
+            held = [g for g in group if g.numel()]  # (an empty tensor has no max-norm)
+            norms = torch.stack(torch._foreach_norm(held, float("inf"))) if held else found.new_zeros(1)
+            flag = (~torch.isfinite(norms)).any().float()
+        else:
+            flag = torch.zeros(1, dtype=torch.float32, device=where)
+            inv = torch.full((1,), inv_scale, dtype=torch.float32, device=where)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+            flag = flag[0]
+        found[stage] += flag.to(device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=world_group())
     return found > 0

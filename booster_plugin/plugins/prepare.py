@@ -129,7 +129,8 @@ def shard_config_of(sharding: ShardingConfig, ctx: ParallelContext, stage_manage
         ep=ctx.ep,
         sequence=None if sharding.sp_mode is None else SequenceSplit(sharding.sp_mode, ctx.seq,
                                                                      own_group=ctx.seq is ctx.sp),
-        chunked_loss=sharding.chunked_loss, loss_chunk_size=sharding.loss_chunk_size)
+        chunked_loss=sharding.chunked_loss, loss_chunk_size=sharding.loss_chunk_size,
+        compile_loss=sharding.speed.compile_layers)
 
 
 def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: ParallelContext,

@@ -14,13 +14,20 @@ max is all-reduced (MAX) and its sum of exponentials and target logit (SUM, one 
 `loss.vocab_parallel_cross_entropy` does on whole logits. The hidden states' gradient is then this rank's partial
 sum: the caller passes `hidden` through `copy_to_tp`, whose backward sums it over the group. Columns at global index
 >= `VocabShard.size` (vocabulary padding) are masked out.
+
+Compiled (`compiled=True`, the plugin's compile_layers): each chunk's arithmetic (logits, transform, max, exponentials,
+sums, softmax minus one-hot, cast) runs as one torch.compile'd function, its all-reduces traced as torch's functional
+collectives, so the logits chunk is read a few times by fused kernels instead of once per eager operation (on an H200,
+Llama-3.2-1B shape, 8k tokens: the eager chunks cost ~18 ms a step over transformers' full-logits loss).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+import functools
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -62,19 +69,33 @@ class LogitTransform(NamedTuple):
         return grad
 
 
+MAX_CHUNK_LOGITS = 1 << 27  # logits per chunk the rule below grows to at most (512 MiB in fp32)
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
 def chunk_tokens(tokens: int, hidden: int, columns: int, given: Optional[int]) -> int:
-    """Tokens per chunk: `given`, else (Liger's rule) as many as make a chunk's logits about the size of all the
-    hidden states, a power of two, at least 256 (small matrix products are slow), at most `tokens`."""
+    """Tokens per chunk: `given`, else a power of two, at least 256 (small matrix products are slow), at most
+    `tokens`: as many as make a chunk's logits about the size of all the hidden states (Liger's rule), or more, up
+    to a quarter of the tokens and MAX_CHUNK_LOGITS logits: every chunk reads and writes the whole weight gradient
+    (its accumulation), so few chunks run faster (H200, 8k tokens, vocab 128k: 256 -> 2048 tokens per chunk saved
+    10 ms a step), while a quarter of the logits still keeps the loss's memory far below the full logits'."""
     if given is not None:
         return max(1, min(given, tokens))
     per = -(-columns // hidden)  # ceil(columns / hidden)
     rows = 1 << max(0, (-(-tokens // per) - 1).bit_length())
-    return max(1, min(tokens, max(rows, 256)))
+    grown = min(_floor_pow2(max(1, tokens // 4)), _floor_pow2(max(1, MAX_CHUNK_LOGITS // max(1, columns))))
+    return max(1, min(tokens, max(rows, grown, 256)))
 
 
 def _all_reduce(x: Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM) -> Tensor:
-    if group is not None and get_tp_world_size(group) > 1:  # (None: the whole vocabulary is here, not the world)
-        dist.all_reduce(x, op=op, group=group)
+    if group is None or get_tp_world_size(group) == 1:  # (None: the whole vocabulary is here, not the world)
+        return x
+    if torch.compiler.is_compiling():  # traced into the compiled chunk
+        return funcol.wait_tensor(funcol.all_reduce(x, "max" if op == dist.ReduceOp.MAX else "sum", group))
+    dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -107,19 +128,25 @@ def _chunk(h: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, v
     return _Chunk(losses, transform.chain(x, t).to(weight.dtype))
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled_chunk() -> Callable[..., _Chunk]:
+    return torch.compile(_chunk)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Sum of token losses of `hidden @ weight.T + bias`; gradients computed in forward, scaled in backward."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, vocab: VocabShard,
-                transform: LogitTransform, chunk: int, ignore_index: int, want_grad: bool) -> Tensor:
+                transform: LogitTransform, chunk: int, ignore_index: int, want_grad: bool, compiled: bool) -> Tensor:
         grad_h = torch.zeros_like(hidden) if want_grad and ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if want_grad and ctx.needs_input_grad[1] else None
         grad_b = torch.zeros_like(bias) if want_grad and bias is not None and ctx.needs_input_grad[2] else None
         total = hidden.new_zeros((), dtype=torch.float32)
+        compute = _compiled_chunk() if compiled else _chunk
         for lo in range(0, hidden.size(0), chunk):
             h = hidden[lo:lo + chunk]
-            part = _chunk(h, weight, bias, targets[lo:lo + chunk], vocab, transform, ignore_index, want_grad)
+            part = compute(h, weight, bias, targets[lo:lo + chunk], vocab, transform, ignore_index, want_grad)
             total += part.losses.sum()
             if grad_h is not None:
                 grad_h[lo:lo + chunk] = part.grad @ weight
@@ -143,20 +170,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # incoming gradient, which must not turn them into nan); a tensor condition, no device synchronisation
         scale = torch.where(any_valid, grad_total, torch.zeros_like(grad_total))
         out = [g if g is None else g.mul_(scale) for g in grads]
-        return (*out, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy_sum(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
                              vocab: VocabShard, transform: LogitTransform = LogitTransform(),
-                             chunk: Optional[int] = None, ignore_index: int = -100) -> Tensor:
+                             chunk: Optional[int] = None, ignore_index: int = -100, compiled: bool = False) -> Tensor:
     """Sum over tokens of the cross-entropy of `transform(hidden @ weight.T + bias)` against `targets` (global
     vocabulary ids, `ignore_index` for none), chunk by chunk (`chunk` tokens; None: `chunk_tokens`'s choice).
 
     `hidden` is (tokens, features), `targets` (tokens,), `weight` this rank's (columns, features) rows of the head
-    (see VocabShard). Targets outside the vocabulary must have been refused by the caller."""
+    (see VocabShard). Targets outside the vocabulary must have been refused by the caller. `compiled`: each chunk's
+    arithmetic runs torch.compile'd (the module docstring)."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden states {tuple(hidden.shape)} and targets {tuple(targets.shape)} do not match: "
                          f"expected (tokens, features) and (tokens,).")
     rows = chunk_tokens(hidden.size(0), hidden.size(1), weight.size(0), chunk)
     want_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, vocab, transform, rows, ignore_index, want_grad)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, vocab, transform, rows, ignore_index, want_grad,
+                                     compiled)

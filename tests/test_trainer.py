@@ -87,11 +87,16 @@ def _logs(trainer) -> dict:
     return {key: [h[key] for h in steps] for key in ("loss", "grad_norm", "learning_rate")}
 
 
-def _reference(output_dir: str, replicas: int, trainer_class=Trainer, model=None) -> dict:
-    """One process, plain Trainer, the same arguments with every replica's rows in its batch."""
+def _on_cpu(state: dict) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+def _reference(output_dir: str, replicas: int, trainer_class=Trainer, model=None, **arg_overrides) -> dict:
+    """One process, plain Trainer, the same arguments with every replica's rows in its batch (parameters kept on
+    the CPU: the reference may train on the GPU)."""
     model = model if model is not None else mu.build("llama_lm")
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = trainer_class(model=model, args=_args(output_dir, BATCH * replicas),
+    initial = _on_cpu(model.state_dict())
+    trainer = trainer_class(model=model, args=_args(output_dir, BATCH * replicas, **arg_overrides),
                             train_dataset=_dataset(ROWS, 1), eval_dataset=_dataset(EVAL_ROWS, 2))
     before = trainer.evaluate()["eval_loss"]
     trainer.compute_metrics = _metrics
@@ -100,7 +105,7 @@ def _reference(output_dir: str, replicas: int, trainer_class=Trainer, model=None
     trainer.train()
     return {"initial": initial, "config": model.config, "model_class": type(model), "logs": _logs(trainer),
             "eval_before": before, "metrics": metrics, "eval_after": trainer.evaluate()["eval_loss"],
-            "final": {k: v.clone() for k, v in model.state_dict().items()}}
+            "final": _on_cpu(model.state_dict())}
 
 
 def _model(reference: dict):

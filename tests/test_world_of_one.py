@@ -1,5 +1,5 @@
 """A world of one process: the plugin's own machinery (microbatches, precision, clipping, ZeRO's no-op, checkpoints,
-lazy loading, LoRA, MoE with its router loss, evaluation, the FSDP plugins) equals one plain process. On CPU in CI; on
+lazy loading, LoRA, MoE with its router loss, evaluation, the FSDP plugins, HF Trainer) equals one plain process. On CPU in CI; on
 the GPU with NCCL under HP_TEST_DEVICE=cuda (`make gpu-check`), where the references run on the GPU too.
 
 Reference: the unsharded model in the same process (tests/model_utils.check_training): loss, every gradient and the
@@ -7,6 +7,7 @@ parameters after AdamW steps, 1e-5 in fp32."""
 from __future__ import annotations
 
 import copy
+import os
 import tempfile
 
 import pytest
@@ -50,7 +51,19 @@ def _plugin_cases(directory: str) -> None:
     mu.check_evaluation("llama_lm", num_microbatches=2)
 
 
+def _trainer(directory: str) -> None:
+    """HF Trainer with the plugin (accumulation, warm-up, decay, clipping, evaluate() with compute_metrics, checkpoints,
+    save_model and from_pretrained) equals a plain Trainer in this process, on the test device."""
+    from tests import test_trainer as tt
+    on_cpu = mu.DEVICE.type == "cpu"
+    reference = tt._reference(os.path.join(directory, "trainer_ref"), 1, use_cpu=on_cpu)
+    ours = os.path.join(directory, "trainer_ours")
+    tt._check_layout(dict(zero_stage=1), reference, ours, use_cpu=on_cpu, save_strategy="steps", save_steps=3)
+    assert sorted(os.listdir(ours)) == ["checkpoint-3", "checkpoint-6", "final"], os.listdir(ours)
+
+
 def _integrations(directory: str, paths) -> None:
+    _trainer(directory)
     _train_like_peft("llama_lm")
     _check_layout(paths["tied"], 1, 1, tied=True)  # LazyInitContext + from_pretrained, then boost
     for kind in PLUGINS:  # GeminiPlugin (clipping), TorchFSDPPlugin

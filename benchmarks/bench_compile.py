@@ -1,8 +1,10 @@
 """Regional compilation (`compile_layers=True`) against eager, side by side in one run: tokens/s of training steps
 (forward, backward, AdamW) of the benchmark Llama (hidden 256, 8 layers, 8 heads / 4 kv heads, intermediate 1024,
 vocab 1024, seq 128, batch 8, fp32) on this world's ranks as tensor parallel (tp = world size: 1 or 2), and the
-compile time of its one decoder layer class (the first compiled step less a compiled step). The two variants run interleaved in rounds on the same batches; their
-losses agree at every step within 1e-5 (checked).
+compile time of its one decoder layer class (the first compiled step less a compiled step). At a world of one, also
+plain torch (the model unwrapped, torch's AdamW; eager and with each decoder layer `.compile()`d), the calibration of
+what regional compilation can give on this machine. The variants run interleaved in rounds on the same batches;
+ours' losses agree at every step within 1e-5 (checked).
 
 Run:  torchrun --nproc_per_node=1 benchmarks/bench_compile.py   (world of one)
       torchrun --nproc_per_node=2 benchmarks/bench_compile.py   (tp=2)
@@ -31,9 +33,20 @@ def _boosted(reference: LlamaForCausalLM, tp: int, compiled: bool):
     return model, opt
 
 
+def _plain(reference: LlamaForCausalLM, compiled: bool):
+    model = copy.deepcopy(reference)
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 def _step(model, opt, batch) -> float:
     loss = model(**batch).loss
-    opt.backward(loss)
+    if hasattr(opt, "backward"):  # ours
+        opt.backward(loss)
+    else:
+        loss.backward()
     opt.step()
     opt.zero_grad()
     return loss.item()
@@ -56,8 +69,10 @@ def main() -> None:
     batches = [dict(input_ids=ids, labels=ids) for ids in
                (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(args.rounds * args.steps + 1))]
     variants = {"eager": _boosted(reference, tp, False), "compiled": _boosted(reference, tp, True)}
+    if tp == 1:
+        variants.update({"plain eager": _plain(reference, False), "plain compiled": _plain(reference, True)})
     first, first_s = {}, {}
-    for name in ("compiled", "eager"):
+    for name in ("compiled", *(n for n in variants if n != "compiled")):
         start = time.perf_counter()
         first[name] = _step(*variants[name], batches[0])
         first_s[name] = time.perf_counter() - start
@@ -76,15 +91,19 @@ def main() -> None:
     tokens = BATCH * SEQ
     rows = {name: dict(step_s=C.median(times[name]), tokens_per_s=tokens / C.median(times[name])) for name in variants}
     ratio = C.paired_ratio(times["eager"], times["compiled"])
+    plain_ratio = C.paired_ratio(times["plain eager"], times["plain compiled"]) if tp == 1 else None
     # the first compiled step, less a compiled step: compiling the one layer class (LlamaDecoderLayer), forward and
     # backward graphs
     compile_s = first_s["compiled"] - rows["compiled"]["step_s"]
     results = dict(environment=C.environment(), loadavg_start=load_start, loadavg=C.loadavg(), tp=tp, rounds=args.rounds, steps=args.steps,
-                   first_step_s=first_s, compile_s_per_layer_class=compile_s, variants=rows, compiled_speedup=ratio)
+                   first_step_s=first_s, compile_s_per_layer_class=compile_s, variants=rows, compiled_speedup=ratio,
+                   plain_compiled_speedup=plain_ratio)
     say(C.table(["variant", "step s", "tokens/s"], [[n, f"{v['step_s']:.3f}", f"{v['tokens_per_s']:.0f}"]
                                                     for n, v in rows.items()]))
     say(f"tp={tp}: compiled / eager tokens/s = {ratio:.2f}x (paired median); compile time (one layer class) "
         f"{compile_s:.1f} s; load {load_start} at start, {results['loadavg']} at end")
+    if plain_ratio is not None:
+        say(f"plain torch: compiled layers / eager tokens/s = {plain_ratio:.2f}x (paired median)")
     if rank == 0:
         C.write_results(f"bench_compile_tp{tp}", results)
     dist.barrier()

@@ -217,5 +217,5 @@ class PaddlePlanPolicy(Policy):
             self.entry, self.exit = derive_entry_exit(self.model, self.model.base_model, self.layers)
         super().set_pipeline_stage_manager(stage_manager)
 
-    def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
-        return self.known.stage_config_overrides(start, end) if self.known is not None else {}
+    def per_layer_config(self) -> Dict[str, Tuple[object, ...]]:
+        return self.known.per_layer_config() if self.known is not None else {}

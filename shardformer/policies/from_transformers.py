@@ -28,6 +28,7 @@ from ..stage.forward import IDENTITY, INPUT
 from ..tensor.styles import (Colwise, Experts, GradAllReduce, KVHeads, Rowwise, SharedTailGrad, SplitParam, VocabEmbedding,
                       VocabHead)
 from .base import Policy
+from .plan import per_layer
 from .transformers_compat import declared_plans, kv_sharing_modes
 
 # transformers' style names (5.x, plus the 4.x spellings) -> our style; None: nothing to do (replicated)
@@ -248,12 +249,12 @@ class TransformersPlanPolicy(Policy):
             return
         super().check_tp(config, tp_size)
 
-    def layers_per_stage(self) -> List[int]:
-        if self.stage_manager.num_stages > 1:
+    def stage_placement(self):
+        """As Policy's, refusing first (before the split is decided) a config feature the plan cannot honour
+        across pipeline stages (INEXACT_PP)."""
+        if self.stage_manager is not None and self.stage_manager.num_stages > 1:
             _refuse_features(self.model, INEXACT_PP, "pipeline", "pp_size=1 (tensor and data parallel)")
-        split = super().layers_per_stage()
-        self.check_split(split)
-        return split
+        return super().stage_placement()
 
     def check_split(self, split: List[int]) -> None:
         """Refuse a pipeline split (layers per stage; every rank decides the same one) that puts a layer reusing an
@@ -278,13 +279,10 @@ class TransformersPlanPolicy(Policy):
                                   f"(config.kv_sharing_modes), which the pipeline split {split} puts on another "
                                   f"stage; give num_layers_per_stage keeping layers {producer}..{i} on one stage.")
 
-    def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
+    def per_layer_config(self) -> Dict[str, Tuple[object, ...]]:
         # the models' loops pick a layer's mask (and rotary) by its position in the loop over the held layers
         # (a config computing layer_types from other fields, e.g. Jamba's periods, keeps them: not settable)
-        types = vars(self.model.config).get("layer_types")
-        if isinstance(types, (list, tuple)) and len(types) >= end:
-            return {"layer_types": list(types[start:end])}
-        return {}
+        return per_layer(self.model.config)
 
 
 def _values(config, attr: str) -> List[object]:

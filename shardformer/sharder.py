@@ -3,8 +3,9 @@ its frozen values: the Plan and the StagePlacement), then an ordered tuple of mo
 check the layout, release what this pipeline stage does not hold, tensor parallel, expert parallel, sequence
 parallel, chunked loss), each `(model, plan, ctx, done) -> ShardResult`, torchtitan's `parallelize_*` style: they
 read the plan, never the policy; `ctx` (ShardContext) is passed down unchanged, `done` is what the steps before it
-produced, and each returns it with its own fields filled. `shard` folds them in order into one typed ShardResult. What follows sharding (split backward, activation checkpointing,
-compute dtype, materialization) is booster_plugin's prepare_model, in its own ordered steps."""
+produced, and each returns it with its own fields filled. `shard` folds them in order into one typed ShardResult.
+What follows sharding (split backward, activation checkpointing, compute dtype, materialization) is booster_plugin's
+prepare_model, in its own ordered steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -85,7 +86,7 @@ def prepare_plan(model: nn.Module, policy: Policy, ctx: ShardContext) -> ShardRe
     policy.check_tp(getattr(model, "config", None), ctx.config.tp_size)  # (any module: tp=1)
     if ctx.prove is not None:
         ctx.prove(policy)
-    return ShardResult(plan=policy.plan(), placement=policy.stage_placement())
+    return ShardResult(plan=policy.plan(ctx.config.tp_size), placement=policy.stage_placement())
 
 
 # -- the transforms --------------------------------------------------------------------------------------------

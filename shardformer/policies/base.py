@@ -69,8 +69,9 @@ class Policy:
         self.shard_config = shard_config
 
     # -- the plan, a frozen value --------------------------------------------------------------------------
-    def plan(self) -> Plan:
-        """This policy's plan as a frozen value (plan.py), on the bound model: what the transforms read."""
+    def plan(self, tp_size: int = 1) -> Plan:
+        """This policy's plan as a frozen value (plan.py), on the bound model, for `tp_size`: what the transforms
+        read (the same for every tp size here)."""
         return Plan(base_prefix=self.base_prefix, layers=self.layers, layer_lists=tuple(self.layer_paths()),
                     entry=MappingProxyType(dict(self.entry)), exit=tuple(self.exit), heads=tuple(self.head_modules()),
                     tp_plan=MappingProxyType(dict(self.tp_plan)),
@@ -78,6 +79,7 @@ class Policy:
                     tp_attributes=MappingProxyType({k: tuple(v) for k, v in self.tp_attributes.items()}),
                     tp_attribute_values=MappingProxyType({k: MappingProxyType(dict(v))
                                                           for k, v in self.tp_attribute_values.items()}),
+                    tp_divisible=tuple(self.tp_divisible),
                     tp_input_regions=tuple(self.tp_input_regions), local_rng_modules=tuple(self.local_rng_modules),
                     shared_rng_modules=tuple(self.shared_rng_modules),
                     first_stage_inputs=tuple(self.first_stage_inputs),
@@ -238,15 +240,20 @@ class Policy:
     # -- tensor parallel checks -----------------------------------------------------------------------------
     def check_tp(self, config, tp_size: int) -> None:
         """Refuse a tp_size that does not divide the sizes it splits, naming the number and the valid sizes."""
-        if tp_size == 1:
-            return
-        values = {attr: getattr(config, attr) for attr in self.tp_divisible if getattr(config, attr, None)}
-        bad = {k: v for k, v in values.items() if v % tp_size}
-        if bad:
-            common = math.gcd(*values.values())
-            valid = [d for d in range(1, common + 1) if common % d == 0]
-            raise ValueError(f"tp_size={tp_size} does not divide {', '.join(f'{k}={v}' for k, v in bad.items())} of "
-                             f"{type(config).__name__}; valid tp sizes for this model: {valid}.")
+        check_divisible(config, tp_size, self.tp_divisible)
+
+
+def check_divisible(config, tp_size: int, attrs: Sequence[str]) -> None:
+    """Refuse a tp_size that does not divide the `config` attributes `attrs`, naming the number and the valid sizes."""
+    if tp_size == 1:
+        return
+    values = {attr: getattr(config, attr) for attr in attrs if getattr(config, attr, None)}
+    bad = {k: v for k, v in values.items() if v % tp_size}
+    if bad:
+        common = math.gcd(*values.values())
+        valid = [d for d in range(1, common + 1) if common % d == 0]
+        raise ValueError(f"tp_size={tp_size} does not divide {', '.join(f'{k}={v}' for k, v in bad.items())} of "
+                         f"{type(config).__name__}; valid tp sizes for this model: {valid}.")
 
 
 def _nearest(root: nn.Module, pattern: str) -> str:

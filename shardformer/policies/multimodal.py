@@ -77,6 +77,9 @@ class MultimodalPolicy(TransformersPlanPolicy):
         """The text decoder's heads must split (the encoders stay whole)."""
         super().check_tp(self._text_config(config), tp_size)
 
+    def tp_config(self):
+        return self._text_config(self.model.config)
+
     def per_layer_config(self) -> Dict[str, Tuple[object, ...]]:
         """The language model's loop picks a layer's mask by its position among the held layers."""
         return per_layer(self._loop().config)

@@ -1,8 +1,9 @@
 """A model's plan as a frozen value: what the transforms of sharder.py read (never the policy object).
 
 Every policy front-end (hand-written families, transformers' declared plans, inferred plans, Paddle-style and
-Parallelformers-style plans, encoder-decoder policies) is a factory of it: `Policy.plan()` on the policy bound to the
-unsharded model, after its checks (a plan may be fitted to the tp size there, e.g. replicated key/value heads).
+Parallelformers-style plans, encoder-decoder policies) is a factory of it: `Policy.plan(tp_size)` on the policy bound
+to the unsharded model, after its checks; the plan is fitted to the tp size (e.g. key/value heads replicated where tp
+ranks outnumber them) without rewriting the policy.
 Paths are relative to the base model (`base_prefix`) unless said otherwise; `*` stands for one name.
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Plan:
     head_tp_plan: Mapping[str, "ParallelStyle"]         # model-relative pattern (outside the base) -> style
     tp_attributes: Mapping[str, Tuple[str, ...]]        # pattern -> attributes divided by the tp size
     tp_attribute_values: Mapping[str, Mapping[str, object]]  # pattern -> attributes set (if present)
+    tp_divisible: Tuple[str, ...]                       # config attributes the tp size must divide
     tp_input_regions: Tuple[str, ...]                   # modules whose input all their column layers share
     local_rng_modules: Tuple[str, ...]                  # dropout on split heads: per-rank masks
     shared_rng_modules: Tuple[str, ...]                 # inside those, dropout on replicated data

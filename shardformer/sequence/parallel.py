@@ -123,7 +123,7 @@ def resolve_mode(enable: bool, mode: Optional[str], sp_size: Optional[int], tp_s
 
 def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: int, sp_size: int = 1) -> None:
     """`check_sequence_plan` of a policy bound to its model (its plan)."""
-    check_sequence_plan(policy.model, policy.plan(), mode, config, tp_size, sp_size)
+    check_sequence_plan(policy.model, policy.plan(tp_size), mode, config, tp_size, sp_size)
 
 
 def check_sequence_plan(model: nn.Module, plan: Plan, mode: str, config: Any, tp_size: int, sp_size: int = 1) -> None:

@@ -28,7 +28,8 @@ class StagePlacement:
             return self.stages[name]
         except KeyError:
             raise KeyError(f"{name!r} is not a parameter of the unsharded model; give a name of "
-                           f"model.named_parameters() before boosting (e.g. {next(iter(self.stages), None)!r}).") from None
+                           f"model.named_parameters() before boosting (e.g. {next(iter(self.stages), None)!r})."
+                           ) from None
 
     def shared_names(self) -> List[Dict[int, str]]:
         """`shared` as ColossalAI's Policy returns it: a list of {stage: name}."""

@@ -27,6 +27,7 @@ from torch import nn
 from ..tensor.lora_sharding import native_module
 from ..paths import base_prefix, find_submodule, match, split_at_base
 from ..stage.forward import IDENTITY, INPUT
+from ..stage.placement import StagePlacement
 from ..tensor.styles import (Colwise, Experts, GradAllReduce, KVHeads, ParallelStyle, Rowwise, SharedTailGrad,
                              SplitParam, VocabEmbedding, VocabHead)
 from .base import Policy, check_divisible
@@ -272,7 +273,7 @@ class TransformersPlanPolicy(Policy):
                        tp_attribute_values=MappingProxyType({k: MappingProxyType(v)
                                                              for k, v in fit.attribute_values.items()}))
 
-    def stage_placement(self):
+    def stage_placement(self) -> StagePlacement:
         """As Policy's, refusing first (before the split is decided) a config feature the plan cannot honour
         across pipeline stages (INEXACT_PP)."""
         if self.stage_manager is not None and self.stage_manager.num_stages > 1:

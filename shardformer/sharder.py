@@ -1,9 +1,11 @@
-"""Sharding as data: an ordered tuple of module-level transforms (TRANSFORMS: check and prove, release what this
-pipeline stage does not hold, tensor parallel, expert parallel, sequence parallel, chunked loss), each
-`(model, policy, ctx, done) -> ShardResult`, torchtitan's `parallelize_*` style: `ctx` (ShardContext) is passed down
-unchanged, `done` is what the transforms before it produced, and each returns it with its own fields filled. `shard`
-folds them in order into one typed ShardResult. What follows sharding (split backward, activation checkpointing,
-compute dtype, materialization) is booster_plugin's prepare_model, in its own ordered steps."""
+"""Sharding as data. First the policy's step (`prepare_plan`: its checks, the proof of a plan that must be proven, then
+its frozen values: the Plan and the StagePlacement), then an ordered tuple of module-level transforms (TRANSFORMS:
+check the layout, release what this pipeline stage does not hold, tensor parallel, expert parallel, sequence
+parallel, chunked loss), each `(model, plan, ctx, done) -> ShardResult`, torchtitan's `parallelize_*` style: they
+read the plan, never the policy; `ctx` (ShardContext) is passed down unchanged, `done` is what the steps before it
+produced, and each returns it with its own fields filled. `shard` folds them in order into one typed ShardResult.
+What follows sharding (split backward, activation checkpointing, compute dtype, materialization) is booster_plugin's
+prepare_model, in its own ordered steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -19,18 +21,20 @@ from .layer.spec import get_tp_spec
 from .materialize import materialize
 from .paths import match
 from .policies.base import Policy
+from .policies.plan import Plan
 from .sequence.loss import HeadOnShard
-from .sequence.parallel import (SEQUENCE_DIM, SequenceSpan, apply_sequence_parallelism, check_sequence_parallelism,
-                                inside_layers, sequence_span)
+from .sequence.parallel import (SEQUENCE_DIM, SequenceSpan, apply_sequence_parallelism, check_sequence_plan,
+                                sequence_span)
 from .shard_config import ShardConfig
 from .stage.forward import StageForward, get_submodule_parent
+from .stage.placement import StagePlacement
 from .stage.release import release_unheld
 from .tensor.apply_styles import TPContext, apply_styles
 from .tensor.lora_sharding import check_lora_layers
 from .tensor.regions import enter_tp_regions_once
 from .tensor.styles import ParallelStyle
 
-__all__ = ["ShardConfig", "ShardContext", "ShardResult", "Sharder", "TRANSFORMS", "bind", "shard"]
+__all__ = ["ShardConfig", "ShardContext", "ShardResult", "Sharder", "TRANSFORMS", "bind", "prepare_plan", "shard"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,9 @@ class ShardContext:
 
 @dataclass(frozen=True)
 class ShardResult:
-    """What sharding produced, for the runtime: each field filled by one transform of TRANSFORMS."""
+    """What sharding produced, for the runtime: each field filled by one step (`prepare_plan`, TRANSFORMS)."""
+    plan: Optional[Plan] = None                                 # the policy's plan, a frozen value
+    placement: Optional[StagePlacement] = None                  # the unsharded model's split over the pipeline
     shared: List[Dict[int, str]] = field(default_factory=list)  # [{stage: name of a parameter shared by stages}]
     stage_forward: Optional[StageForward] = None                # runs this rank's chunks (None without pp)
     expert_params: List[str] = field(default_factory=list)      # parameters holding this rank's experts only
@@ -52,7 +58,7 @@ class ShardResult:
     tied: List[List[str]] = field(default_factory=list)         # names of parameters that were one before tp
 
 
-Transform = Callable[[nn.Module, Policy, ShardContext, ShardResult], ShardResult]
+Transform = Callable[[nn.Module, Plan, ShardContext, ShardResult], ShardResult]
 
 
 def bind(model: nn.Module, policy: Policy, cfg: ShardConfig) -> None:
@@ -64,77 +70,85 @@ def bind(model: nn.Module, policy: Policy, cfg: ShardConfig) -> None:
 
 
 def shard(model: nn.Module, policy: Policy, ctx: ShardContext) -> ShardResult:
-    """Shard `model` in place by the bound `policy`: the transforms of TRANSFORMS, in that order."""
-    done = ShardResult()
+    """Shard `model` in place by the bound `policy`: its plan and placement (`prepare_plan`), then the transforms of
+    TRANSFORMS, in that order, which read those values and never the policy."""
+    done = prepare_plan(model, policy, ctx)
     for transform in TRANSFORMS:
-        done = transform(model, policy, ctx, done)
+        done = transform(model, done.plan, ctx, done)
     return done
 
 
-# -- the transforms --------------------------------------------------------------------------------------------
-def check_and_prove(model: nn.Module, policy: Policy, ctx: ShardContext, done: ShardResult) -> ShardResult:
-    """On the unsharded model, every rank alike, before any collective: the plan fits the model and the layout;
-    a plan that must be proven is proven. Reads what later transforms need from the unsharded model."""
-    cfg, span = ctx.config, None
+def prepare_plan(model: nn.Module, policy: Policy, ctx: ShardContext) -> ShardResult:
+    """On the unsharded model, every rank alike, before any collective: the policy fits the model and the layout
+    (its checks), a plan that must be proven is proven (`ctx.prove`), then its frozen values: the plan and the
+    pipeline placement."""
     policy.check_paths()
-    policy.check_tp(getattr(model, "config", None), cfg.tp_size)  # (any module: tp=1)
+    policy.check_tp(getattr(model, "config", None), ctx.config.tp_size)  # (any module: tp=1)
     if ctx.prove is not None:
         ctx.prove(policy)
+    return ShardResult(plan=policy.plan(ctx.config.tp_size), placement=policy.stage_placement())
+
+
+# -- the transforms --------------------------------------------------------------------------------------------
+def check_layout(model: nn.Module, plan: Plan, ctx: ShardContext, done: ShardResult) -> ShardResult:
+    """On the unsharded model: the plan fits sequence, tensor (LoRA layers) and expert parallelism; reads what later
+    transforms need from the unsharded model (the sequence's span, tied parameters)."""
+    cfg, span = ctx.config, None
     if cfg.sp_mode is not None:
-        refuse_sequence_parallelism(model, _plan_style(policy, cfg), cfg.sp_mode)
-        check_sequence_parallelism(policy, cfg.sp_mode, model.config, cfg.tp_size, _sp_size(cfg))
-        span = sequence_span(policy)
+        refuse_sequence_parallelism(model, plan.style, cfg.sp_mode)
+        check_sequence_plan(model, plan, cfg.sp_mode, model.config, cfg.tp_size, _sp_size(cfg))
+        span = sequence_span(model, plan)
     if cfg.tp_size > 1:
-        check_lora_layers(model, _style_of(policy, cfg))
+        check_lora_layers(model, _style_of(plan, cfg))
     if cfg.ep_size > 1:
-        check_expert_parallel(model, _plan_style(policy, cfg), cfg.ep_size)
+        check_expert_parallel(model, plan.style, cfg.ep_size)
     return replace(done, span=span, tied=_tied_names(model))
 
 
-def release_this_stage(model: nn.Module, policy: Policy, ctx: ShardContext, done: ShardResult) -> ShardResult:
+def release_this_stage(model: nn.Module, plan: Plan, ctx: ShardContext, done: ShardResult) -> ShardResult:
     """Pipeline: keep this rank's stage only, by the policy's own hook (encoder-decoder) or stage/release.py."""
     sm = ctx.config.pipeline_stage_manager
     if sm is None:
         return done
-    shared = policy.shared_param_names()
-    hook = policy.release_unheld_layers
-    return replace(done, shared=shared, stage_forward=hook() if hook is not None else release_unheld(model, policy, sm))
+    hook = plan.release
+    stage = hook() if hook is not None else release_unheld(model, plan, sm, done.placement.split)
+    return replace(done, shared=done.placement.shared_names(), stage_forward=stage)
 
 
-def tensor_parallel(model: nn.Module, policy: Policy, ctx: ShardContext, done: ShardResult) -> ShardResult:
+def tensor_parallel(model: nn.Module, plan: Plan, ctx: ShardContext, done: ShardResult) -> ShardResult:
     """Replace the planned modules with tensor-parallel ones; re-tie, enter regions once, divide attributes,
     draw dropout from the tracker."""
     cfg = ctx.config
     if cfg.tp_size == 1:
         return done
     apply_styles(TPContext(model, cfg.tp, cfg.make_vocab_size_divisible_by, cfg.parallel_output, cfg.rng_tracker),
-                 _style_of(policy, cfg))
+                 _style_of(plan, cfg))
     _retie(model, done.tied)
-    enter_tp_regions_once(model, policy, cfg.tp, SEQUENCE_DIM if cfg.sp_mode == "split_gather" else None)
-    _change_attributes(model, policy, cfg)
-    _use_tracker_rng(model, policy, cfg)
+    enter_tp_regions_once(model, plan, cfg.tp, SEQUENCE_DIM if cfg.sp_mode == "split_gather" else None)
+    _change_attributes(model, plan, cfg)
+    _use_tracker_rng(model, plan, cfg)
     return done
 
 
-def expert_parallel(model: nn.Module, policy: Policy, ctx: ShardContext, done: ShardResult) -> ShardResult:
+def expert_parallel(model: nn.Module, plan: Plan, ctx: ShardContext, done: ShardResult) -> ShardResult:
     """After the tp split (its hooks run inside the exchange), before sequence parallelism's gradient sums
     (which must see the kept experts only)."""
     if ctx.config.ep_size == 1:
         return done
-    return replace(done, expert_params=shard_experts(model, _plan_style(policy, ctx.config), ctx.config.ep))
+    return replace(done, expert_params=shard_experts(model, plan.style, ctx.config.ep))
 
 
-def sequence_parallel(model: nn.Module, policy: Policy, ctx: ShardContext, done: ShardResult) -> ShardResult:
+def sequence_parallel(model: nn.Module, plan: Plan, ctx: ShardContext, done: ShardResult) -> ShardResult:
     cfg = ctx.config
     seq = cfg.sequence
     if seq is None:
         return done
-    head = apply_sequence_parallelism(model, policy, done.span, seq.mode, seq.axis, own_group=seq.own_group,
+    head = apply_sequence_parallelism(model, plan, done.span, seq.mode, seq.axis, own_group=seq.own_group,
                                       parallel_output=cfg.parallel_output)
     return replace(done, sequence_head=head)
 
 
-def chunked_loss(model: nn.Module, policy: Policy, ctx: ShardContext, done: ShardResult) -> ShardResult:
+def chunked_loss(model: nn.Module, plan: Plan, ctx: ShardContext, done: ShardResult) -> ShardResult:
     """Last: its hooks run after those of tensor and sequence parallelism."""
     cfg = ctx.config
     if not cfg.chunked_loss:
@@ -143,7 +157,7 @@ def chunked_loss(model: nn.Module, policy: Policy, ctx: ShardContext, done: Shar
                                                                cfg.compile_loss))
 
 
-TRANSFORMS: Tuple[Transform, ...] = (check_and_prove, release_this_stage, tensor_parallel, expert_parallel,
+TRANSFORMS: Tuple[Transform, ...] = (check_layout, release_this_stage, tensor_parallel, expert_parallel,
                                      sequence_parallel, chunked_loss)
 
 
@@ -185,38 +199,19 @@ def _sp_size(cfg: ShardConfig) -> int:
     return seq.size if seq is not None and seq.own_group else 1
 
 
-def _replicated_layers(policy: Policy, cfg: ShardConfig, rel: str) -> bool:
+def _replicated_layers(plan: Plan, cfg: ShardConfig, rel: str) -> bool:
     """all_to_all sequence parallelism over the tp group keeps the layers' weights whole: no tp style or
     attribute inside them (over a group of its own, tp splits them as usual)."""
     seq = cfg.sequence
-    return seq is not None and seq.mode == "all_to_all" and not seq.own_group and inside_layers(policy, rel)
+    return seq is not None and seq.mode == "all_to_all" and not seq.own_group and plan.inside_layers(rel)
 
 
 StyleOf = Callable[[str], Optional[ParallelStyle]]
 
 
-def _plan_style(policy: Policy, cfg: ShardConfig) -> StyleOf:
-    """The plan's style of a module, whatever sequence parallelism does to it."""
-    return lambda path: _style(policy, cfg, path, honour_sequence_parallelism=False)
-
-
-def _style_of(policy: Policy, cfg: ShardConfig) -> StyleOf:
+def _style_of(plan: Plan, cfg: ShardConfig) -> StyleOf:
     """The style a module gets (none inside layers that sequence parallelism keeps whole)."""
-    return lambda path: _style(policy, cfg, path, honour_sequence_parallelism=True)
-
-
-def _style(policy: Policy, cfg: ShardConfig, path: str, honour_sequence_parallelism: bool) -> Optional[ParallelStyle]:
-    prefix = policy.base_prefix
-    if path.startswith(prefix):
-        if honour_sequence_parallelism and _replicated_layers(policy, cfg, path[len(prefix):]):
-            return None
-        for pattern, style in policy.tp_plan.items():
-            if match(pattern, path[len(prefix):]):
-                return style
-    for pattern, style in policy.head_tp_plan.items():
-        if match(pattern, path):
-            return style
-    return None
+    return lambda path: plan.style(path, skip=lambda rel: _replicated_layers(plan, cfg, rel))
 
 
 def _retie(model: nn.Module, tied: List[List[str]]) -> None:
@@ -231,23 +226,23 @@ def _retie(model: nn.Module, tied: List[List[str]]) -> None:
                 setattr(parent, attr, source)
 
 
-def _change_attributes(model: nn.Module, policy: Policy, cfg: ShardConfig) -> None:
-    tp, prefix = cfg.tp_size, policy.base_prefix
+def _change_attributes(model: nn.Module, plan: Plan, cfg: ShardConfig) -> None:
+    tp, prefix = cfg.tp_size, plan.base_prefix
     for path, module in model.named_modules():
-        if not path.startswith(prefix) or _replicated_layers(policy, cfg, path[len(prefix):]):
+        if not path.startswith(prefix) or _replicated_layers(plan, cfg, path[len(prefix):]):
             continue
-        for pattern, attrs in policy.tp_attributes.items():
+        for pattern, attrs in plan.tp_attributes.items():
             if match(pattern, path[len(prefix):]):
                 for attr in attrs:
                     setattr(module, attr, getattr(module, attr) // tp)
-        for pattern, values in policy.tp_attribute_values.items():
+        for pattern, values in plan.tp_attribute_values.items():
             if match(pattern, path[len(prefix):]):
                 for attr, value in values.items():
                     if hasattr(module, attr):
                         setattr(module, attr, value)
 
 
-def _use_tracker_rng(model: nn.Module, policy: Policy, cfg: ShardConfig) -> None:
+def _use_tracker_rng(model: nn.Module, plan: Plan, cfg: ShardConfig) -> None:
     """Dropout draws from the tracker: the model's forward under its shared state (not the script's global RNG),
     modules on sharded activations under this rank's private state."""
     tracker = cfg.rng_tracker
@@ -255,15 +250,15 @@ def _use_tracker_rng(model: nn.Module, policy: Policy, cfg: ShardConfig) -> None
         return
     wrap_model_forward_in_tracker_rng(model, tracker)
     if cfg.sp_mode is not None:  # every activation inside a layer is split: per-rank masks
-        for layer in policy.layer_list():
+        for layer in plan.layer_list(model):
             wrap_module_forward_in_local_rng(layer, tracker)
         return
-    prefix = policy.base_prefix
+    prefix = plan.base_prefix
     for path, module in model.named_modules():
         rel = path[len(prefix):] if path.startswith(prefix) else None
         if rel is None:
             continue
-        if any(match(p, rel) for p in policy.local_rng_modules):
+        if any(match(p, rel) for p in plan.local_rng_modules):
             wrap_module_forward_in_local_rng(module, tracker)
-        elif any(match(p, rel) for p in policy.shared_rng_modules):
+        elif any(match(p, rel) for p in plan.shared_rng_modules):
             wrap_module_forward_in_shared_rng(module, tracker)

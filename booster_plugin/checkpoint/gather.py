@@ -1,8 +1,8 @@
 """Collective streams of the model's full (unsharded, unpadded) tensors, for saves.
 
-The plan is derived on every rank from `module.full_params` and `policy.stage_of_param`; the only communication
-besides the tp gathers is one all-reduce of dtype codes, plus point-to-point sends of gathered tensors to a writer
-of another stage.
+The plan is derived on every rank from `module.full_params` and `module.placement` (decided at boost); the only
+communication besides the tp gathers is one all-reduce of dtype codes, plus point-to-point sends of gathered tensors
+to a writer of another stage.
 """
 from __future__ import annotations
 

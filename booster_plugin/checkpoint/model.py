@@ -48,6 +48,6 @@ def key_of(module: HybridParallelModule) -> Callable[[str], str]:
 
 def stage_of(module: HybridParallelModule, name: str) -> int:
     """The first pipeline stage holding unsharded parameter `name` (its copy is the one saved)."""
-    if module.pp_group is None or module.policy.stage_manager is None:
+    if module.pp_group is None:
         return 0
-    return module.policy.stage_of_param(name)[0]
+    return module.placement.stage_of_param(name)[0]

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from shardformer.chunked_loss import ChunkedLoss
     from shardformer.policies import Policy
     from shardformer.sequence.loss import HeadOnShard
+    from shardformer.stage.placement import StagePlacement
 
     from ..guards.batch_check import BatchLimits
     from .lora import LoRAState
@@ -44,6 +45,7 @@ class ModelInfo:
     expert_params: FrozenSet[str] = frozenset()  # parameters holding this ep rank's experts only (split over ep)
     sequence_head: Optional["HeadOnShard"] = None  # sequence parallelism kept split through the LM head and loss
     chunked_loss: Optional["ChunkedLoss"] = None  # the causal-LM loss computed in chunks, without the full logits
+    placement: Optional["StagePlacement"] = None  # the unsharded model's layers and parameters over the pipeline
 
 
 class HybridParallelModule(nn.Module):
@@ -102,6 +104,11 @@ class HybridParallelModule(nn.Module):
     @property
     def policy(self) -> "Policy":
         return self.info.policy
+
+    @property
+    def placement(self) -> "StagePlacement":
+        """Where the unsharded model's layers and parameters live over the pipeline (decided at boost)."""
+        return self.info.placement
 
     @property
     def full_params(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:

@@ -88,7 +88,7 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
                                  ragged=image_rows(model.config) if hasattr(model, "config") else None), lora)
     sharded = _shard(model, policy, opts, ctx, stage_manager)
     info = replace(info, expert_params=frozenset(sharded.expert_params), sequence_head=sharded.sequence_head,
-                   chunked_loss=sharded.chunked_loss)
+                   chunked_loss=sharded.chunked_loss, placement=sharded.placement)
     params = dict(model.named_parameters(remove_duplicate=False))
     shared = []
     for names in sharded.shared:  # every rank creates every group, in the same order
@@ -151,11 +151,11 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
     remember_boosted(model)  # sharded in place: boosting this object again is refused
     if opts.style.splits_backward:  # their backward is split into I and W (pipeline/split_backward.py)
         prepare_split_backward(model)
-    per_stage = policy.layers_per_stage() if ctx.pp.size > 1 else [policy.num_layers()]
+    per_stage = list(sharded.placement.split)
     if ctx.pp.size > 1:  # as ColossalAI's policies do: the layer ranges of this stage's chunks
         stage_manager.stage_indices = stage_manager.get_stage_index(per_stage)
     layout = stage_manager.layout  # checkpointing counts per pipeline rank: a rank's chunks together
-    apply_activation_checkpointing(model, list(policy.layer_list()), ctx.pp.rank,
+    apply_activation_checkpointing(model, list(sharded.plan.layer_list(model)), ctx.pp.rank,
                                    [sum(per_stage[s] for s in layout.stages_of(r)) for r in range(ctx.pp.size)],
                                    opts.sharding.gradient_checkpoint_config, rng_tracker)
     if opts.precision.precision in _DTYPES:
@@ -163,7 +163,7 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
     sharder.materialize(opts.device)  # lazy init: a model built on the meta device gets only this rank's shard
     model.to(opts.device)
     if opts.sharding.speed.compile_layers:  # compiled at their first call, with everything above in place
-        compile_layers(list(policy.layer_list()))
+        compile_layers(list(sharded.plan.layer_list(model)))
     return sharded
 
 

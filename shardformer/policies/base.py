@@ -8,6 +8,7 @@ outside the base model (LM head, classifier) belong to the last stage. Everythin
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
@@ -18,6 +19,8 @@ from ..stage.layer_bounds import stage_of_layer
 from ..paths import base_prefix, find_submodule, match
 from ..shard_config import ShardConfig
 from ..stage.forward import IDENTITY, INPUT, SHAPED, ZEROS
+from ..stage.placement import StagePlacement, place
+from .plan import Plan
 from ..tensor.styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, OwnHeads, ParallelStyle, Rowwise,
                       SharedTailGrad, SplitParam, VocabEmbedding, VocabHead)
 
@@ -51,21 +54,44 @@ class Policy:
         self.model: Optional[nn.Module] = None
         self.stage_manager: Optional[PipelineStageManager] = None
         self.shard_config: Optional[ShardConfig] = None
+        # the placement, with the model and stage manager it was derived for (see stage_placement)
+        self._placement: Optional[Tuple[nn.Module, Optional[PipelineStageManager], StagePlacement]] = None
 
     # -- ColossalAI-style setters ---------------------------------------------------------------------------
     def set_model(self, model: nn.Module) -> None:
-        """Bind the policy to the (unsharded) model; what it derived from a previous model is forgotten."""
+        """Bind the policy to the (unsharded) model."""
         self.model = model
-        # derived from the unsharded model on first use and remembered (sharding leaves a stage's part only)
-        self._num_layers: Optional[int] = None
-        self._split: Optional[List[int]] = None
-        self._shared_names: Optional[List[Dict[int, str]]] = None
 
     def set_pipeline_stage_manager(self, stage_manager: Optional[PipelineStageManager]) -> None:
         self.stage_manager = stage_manager
 
     def set_shard_config(self, shard_config: ShardConfig) -> None:
         self.shard_config = shard_config
+
+    # -- the plan, a frozen value --------------------------------------------------------------------------
+    def plan(self, tp_size: int = 1) -> Plan:
+        """This policy's plan as a frozen value (plan.py), on the bound model, for `tp_size`: what the transforms
+        read (the same for every tp size here)."""
+        return Plan(base_prefix=self.base_prefix, layers=self.layers, layer_lists=tuple(self.layer_paths()),
+                    entry=MappingProxyType(dict(self.entry)), exit=tuple(self.exit), heads=tuple(self.head_modules()),
+                    tp_plan=MappingProxyType(dict(self.tp_plan)),
+                    head_tp_plan=MappingProxyType(dict(self.head_tp_plan)),
+                    tp_attributes=MappingProxyType({k: tuple(v) for k, v in self.tp_attributes.items()}),
+                    tp_attribute_values=MappingProxyType({k: MappingProxyType(dict(v))
+                                                          for k, v in self.tp_attribute_values.items()}),
+                    tp_divisible=tuple(self.tp_divisible),
+                    tp_input_regions=tuple(self.tp_input_regions), local_rng_modules=tuple(self.local_rng_modules),
+                    shared_rng_modules=tuple(self.shared_rng_modules),
+                    first_stage_inputs=tuple(self.first_stage_inputs),
+                    per_layer_config=MappingProxyType(self.per_layer_config()), release=self.release_unheld_layers)
+
+    def layer_paths(self) -> Tuple[str, ...]:
+        """Base-relative paths of the layer lists the pipeline splits, in order."""
+        return (self.layers,) if self.layers else ()
+
+    def per_layer_config(self) -> Dict[str, Tuple[object, ...]]:
+        """Config attributes with one value per layer, of which a stage sees its own slice (default: none)."""
+        return {}
 
     # -- structure ----------------------------------------------------------------------------------------
     @property
@@ -115,17 +141,39 @@ class Policy:
                                      f"relative to {'the base model' if where == 'tp_plan' else 'the model'}, "
                                      f"'*' standing for one name (e.g. a layer index).")
 
+    # -- the pipeline placement ---------------------------------------------------------------------------
+    def stage_placement(self) -> StagePlacement:
+        """Where the unsharded model's layers and parameters live over the pipeline (stage/placement.py): derived
+        on the bound model and stage manager at first use and kept for that pair (ColossalAI's methods below are
+        asked after sharding too, when the model holds one stage's part only)."""
+        if self._placement is None or self._placement[0] is not self.model or \
+                self._placement[1] is not self.stage_manager:
+            self._placement = (self.model, self.stage_manager, self._derive_placement())
+        return self._placement[2]
+
+    def _derive_placement(self) -> StagePlacement:
+        stacks, sm = tuple(self.layer_stacks()), self.stage_manager
+        named = self.model.named_parameters(remove_duplicate=False)
+        if sm is None:
+            return place(stacks, (sum(stacks),), named, lambda name: (0,))
+        split = tuple(sm.layers_per_virtual_stage(sum(stacks), self.stage_costs))
+        self.check_split(list(split))
+        return place(stacks, split, named, lambda name: self.place_param(name, split, stacks))
+
+    def layer_stacks(self) -> Tuple[int, ...]:
+        """Layers of each layer list of the unsharded model, in pipeline order (one list here)."""
+        return (len(self.layer_list()),)
+
+    def check_split(self, split: List[int]) -> None:
+        """Refuse a pipeline split (layers of each virtual stage) the model's forward cannot run (default: none)."""
+
     def num_layers(self) -> int:
-        """Layers of the unsharded model (remembered: after sharding the list holds this stage's only)."""
-        if self._num_layers is None:
-            self._num_layers = len(self.layer_list())
-        return self._num_layers
+        """Layers of the unsharded model."""
+        return self.stage_placement().num_layers
 
     def layers_per_stage(self) -> List[int]:
-        """Layers of each virtual stage; decided once, on the unsharded model (needed by num_layers_per_stage="auto")."""
-        if self._split is None:
-            self._split = self.stage_manager.layers_per_virtual_stage(self.num_layers(), self.stage_costs)
-        return self._split
+        """Layers of each virtual stage, decided on the unsharded model (needed by num_layers_per_stage="auto")."""
+        return list(self.stage_placement().split)
 
     def stage_costs(self) -> StageCosts:
         """Estimated compute for num_layers_per_stage="auto": a matmul's work grows with its parameters, so a layer
@@ -140,12 +188,16 @@ class Policy:
 
     def stage_of_param(self, name: str) -> Optional[Tuple[int, ...]]:
         """The pipeline stages (ranks along the pipeline) that hold parameter `name` (model-relative)."""
+        return self.stage_placement().stage_of_param(name)
+
+    def place_param(self, name: str, split: Tuple[int, ...], stacks: Tuple[int, ...]) -> Tuple[int, ...]:
+        """The pipeline ranks holding parameter `name` of the unsharded model under `split`."""
         sm = self.stage_manager
         n, rank_of, last = sm.num_stages, sm.layout.rank_of, sm.layout.num_stages - 1
         prefix = self.base_prefix
         layers = prefix + self.layers + "."
         if name.startswith(layers):
-            return (rank_of(stage_of_layer(self.layers_per_stage(), int(name[len(layers):].split(".")[0]))),)
+            return (rank_of(stage_of_layer(split, int(name[len(layers):].split(".")[0]))),)
         if any(name.startswith(prefix + e + ".") for e in self.entry):
             return (rank_of(0),)
         if any(name.startswith(prefix + e + ".") for e in self.exit) or not name.startswith(prefix):
@@ -177,17 +229,8 @@ class Policy:
         return {name: m for name, m in self.model.named_children() if not self.base_prefix.startswith(name + ".")}
 
     def shared_param_names(self) -> List[Dict[int, str]]:
-        """Parameters held by several stages (e.g. a tied embedding / LM head): {stage: its name there}.
-
-        Computed on the unsharded model and remembered (after sharding a stage no longer sees the others' names)."""
-        if self._shared_names is None:
-            by_id: Dict[int, Dict[int, str]] = {}
-            for name, p in self.model.named_parameters(remove_duplicate=False):
-                names = by_id.setdefault(id(p), {})
-                for stage in self.stage_of_param(name):
-                    names.setdefault(stage, name)
-            self._shared_names = [names for names in by_id.values() if len(names) > 1]
-        return self._shared_names
+        """Parameters held by several stages (e.g. a tied embedding / LM head): {stage: its name there}."""
+        return self.stage_placement().shared_names()
 
     def get_shared_params(self) -> List[Dict[int, nn.Parameter]]:
         """ColossalAI's form of `shared_param_names`: {stage: parameter}, resolved on this rank's model."""
@@ -197,19 +240,20 @@ class Policy:
     # -- tensor parallel checks -----------------------------------------------------------------------------
     def check_tp(self, config, tp_size: int) -> None:
         """Refuse a tp_size that does not divide the sizes it splits, naming the number and the valid sizes."""
-        if tp_size == 1:
-            return
-        values = {attr: getattr(config, attr) for attr in self.tp_divisible if getattr(config, attr, None)}
-        bad = {k: v for k, v in values.items() if v % tp_size}
-        if bad:
-            common = math.gcd(*values.values())
-            valid = [d for d in range(1, common + 1) if common % d == 0]
-            raise ValueError(f"tp_size={tp_size} does not divide {', '.join(f'{k}={v}' for k, v in bad.items())} of "
-                             f"{type(config).__name__}; valid tp sizes for this model: {valid}.")
+        check_divisible(config, tp_size, self.tp_divisible)
 
-    def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
-        """Config attributes a stage holding layers [start, end) must see differently (default: none)."""
-        return {}
+
+def check_divisible(config, tp_size: int, attrs: Sequence[str]) -> None:
+    """Refuse a tp_size that does not divide the `config` attributes `attrs`, naming the number and the valid sizes."""
+    if tp_size == 1:
+        return
+    values = {attr: getattr(config, attr) for attr in attrs if getattr(config, attr, None)}
+    bad = {k: v for k, v in values.items() if v % tp_size}
+    if bad:
+        common = math.gcd(*values.values())
+        valid = [d for d in range(1, common + 1) if common % d == 0]
+        raise ValueError(f"tp_size={tp_size} does not divide {', '.join(f'{k}={v}' for k, v in bad.items())} of "
+                         f"{type(config).__name__}; valid tp sizes for this model: {valid}.")
 
 
 def _nearest(root: nn.Module, pattern: str) -> str:

@@ -4,6 +4,8 @@ vision encoder, Q-Former and projector replicated (their gradients are equal on 
 embeddings' gradient is the tp regions' summed one). The LM head's logits are gathered: BLIP-2 computes the loss
 itself over the full vocabulary. Pipeline parallelism is refused: the model's forward runs its vision encoder and
 Q-Former on every call (it takes no image features computed elsewhere), so a later stage cannot run it."""
+from typing import List
+
 from .base import Colwise, Policy, Rowwise, VocabEmbedding, VocabHead
 from .from_transformers import PlanRefused
 
@@ -30,9 +32,9 @@ class Blip2OPTPolicy(Policy):
     def check_tp(self, config, tp_size: int) -> None:
         super().check_tp(config.text_config, tp_size)
 
-    def layers_per_stage(self):
-        if self.stage_manager is not None and self.stage_manager.num_stages > 1:
+    def check_split(self, split: List[int]) -> None:
+        if self.stage_manager.num_stages > 1:
             raise PlanRefused(f"{type(self.model).__name__}: its forward runs the vision encoder and Q-Former on "
                               f"every call, so no pipeline stage but the first can run it. Use pp_size=1 (tensor "
                               f"and data parallel).")
-        return super().layers_per_stage()
+        super().check_split(split)

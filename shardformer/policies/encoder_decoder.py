@@ -39,52 +39,44 @@ class EncoderDecoderPolicy(Policy):
     carried: Dict[str, Tuple[int, int]] = {}           # value -> (layer's positional argument, layer output index)
 
     # -- structure over the two stacks ----------------------------------------------------------------------
-    def _stack_sizes(self) -> Tuple[int, int]:
-        if self._sizes is None:
-            base = self.model.base_model
-            self._sizes = (len(base.get_submodule(self.encoder_layers)),
-                           len(base.get_submodule(self.decoder_layers)) if self.decoder_layers else 0)
-        return self._sizes
+    def layer_stacks(self) -> Tuple[int, int]:
+        """(encoder, decoder) layers of the unsharded model."""
+        base = self.model.base_model
+        return (len(base.get_submodule(self.encoder_layers)),
+                len(base.get_submodule(self.decoder_layers)) if self.decoder_layers else 0)
 
-    def _stacks(self) -> List[_Stack]:
-        """The stacks the model has, encoder first."""
-        n_enc, n_dec = self._stack_sizes()
+    def _stacks(self, sizes: Tuple[int, ...]) -> List[_Stack]:
+        """The stacks the model has, encoder first, of the unsharded model's `sizes`."""
+        n_enc, n_dec = sizes
         stacks = [_Stack(self.encoder_layers, self.encoder_entry, self.encoder_exit, 0, n_enc)]
         if self.decoder_layers:
             stacks.append(_Stack(self.decoder_layers, self.decoder_entry, self.decoder_exit, n_enc, n_dec))
         return stacks
 
-    def set_model(self, model: nn.Module) -> None:
-        super().set_model(model)
-        self._sizes: Optional[Tuple[int, int]] = None  # (encoder, decoder) layers of the unsharded model
-
-    def num_layers(self) -> int:
-        return sum(self._stack_sizes())
+    def layer_paths(self) -> Tuple[str, ...]:
+        return (self.encoder_layers, self.decoder_layers) if self.decoder_layers else (self.encoder_layers,)
 
     def layer_list(self) -> nn.ModuleList:
         """The (held) encoder layers followed by the (held) decoder layers."""
         base = self.model.base_model
-        return nn.ModuleList([layer for stack in self._stacks() for layer in base.get_submodule(stack.layers)])
+        return nn.ModuleList([layer for path in self.layer_paths() for layer in base.get_submodule(path)])
 
-    def _stage_of_layer(self, index: int) -> int:
-        return stage_of_layer(self.layers_per_stage(), index)
-
-    def stage_of_param(self, name: str) -> Optional[Tuple[int, ...]]:
+    def place_param(self, name: str, split: Tuple[int, ...], stacks: Tuple[int, ...]) -> Tuple[int, ...]:
         n, prefix = self.stage_manager.num_stages, self.base_prefix
-        n_enc = self._stack_sizes()[0]
-        for stack in self._stacks():
+        n_enc = stacks[0]
+        for stack in self._stacks(stacks):
             path = prefix + stack.layers
             if name.startswith(path + "."):
-                return (self._stage_of_layer(stack.offset + int(name[len(path) + 1:].split(".")[0])),)
+                return (stage_of_layer(split, stack.offset + int(name[len(path) + 1:].split(".")[0])),)
 
         def under(paths) -> bool:
             return any(name.startswith(prefix + p + ".") for p in paths)
         if under(self.encoder_entry):
             return (0,)
         if under(self.decoder_entry):
-            return (self._stage_of_layer(n_enc),)
+            return (stage_of_layer(split, n_enc),)
         if under(self.encoder_exit):
-            return (self._stage_of_layer(n_enc - 1),)
+            return (stage_of_layer(split, n_enc - 1),)
         if under(self.decoder_exit) or not name.startswith(prefix):
             return (n - 1,)
         return tuple(range(n))
@@ -99,11 +91,12 @@ class EncoderDecoderPolicy(Policy):
     def release_unheld_layers(self) -> Optional[EncoderDecoderStage]:
         """Prune the model to this stage (see the module docstring); the callable that runs the stage."""
         sm, base, prefix = self.stage_manager, self.model.base_model, self.base_prefix
-        n_enc = self._stack_sizes()[0]
-        start, end = sm.get_stage_index(self.layers_per_stage())
+        placement = self.stage_placement()
+        n_enc = placement.stacks[0]
+        start, end = sm.get_stage_index(list(placement.split))
         stage_input, carry_into, exit_module, capture, exit_is_encoder = None, None, None, None, False
         skip_first: List[SkipFirstCall] = []
-        for layers, entry, exit, offset, size in self._stacks():
+        for layers, entry, exit, offset, size in self._stacks(placement.stacks):
             lo, hi = max(start - offset, 0), min(end - offset, size)
             held = lo < hi
             full = base.get_submodule(layers)

@@ -185,7 +185,8 @@ class PaddlePlanPolicy(Policy):
     Args:
         model: the model the plan was resolved on.
         styles: {model-relative module path: style} from `resolve_plan`.
-        layers: model-relative path of the layer list to split over stages ("" without a pipeline).
+        layers: model-relative path of the layer list to split over stages ("" without a pipeline; with one, the
+            entry and exit modules are derived here).
         divide_attributes: {base-relative module pattern: attribute names divided by tp} for models without a
             built-in policy (e.g. OPT's attention `num_heads`).
     """
@@ -206,16 +207,8 @@ class PaddlePlanPolicy(Policy):
             setattr(self, attr, getattr(self.known, attr) if self.known is not None else getattr(Policy, attr))
         if divide_attributes:
             self.tp_attributes = {**self.tp_attributes, **{k: tuple(v) for k, v in divide_attributes.items()}}
+        if layers:  # a pipeline splits it: the entry and exit modules around it (one forward on dummy inputs)
+            self.entry, self.exit = derive_entry_exit(model, model.base_model, self.layers)
 
-    def set_model(self, model: nn.Module) -> None:
-        super().set_model(model)
-        if self.known is not None:
-            self.known.set_model(model)
-
-    def set_pipeline_stage_manager(self, stage_manager) -> None:
-        if stage_manager is not None and stage_manager.num_stages > 1:
-            self.entry, self.exit = derive_entry_exit(self.model, self.model.base_model, self.layers)
-        super().set_pipeline_stage_manager(stage_manager)
-
-    def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
-        return self.known.stage_config_overrides(start, end) if self.known is not None else {}
+    def per_layer_config(self) -> Dict[str, Tuple[object, ...]]:
+        return self.known.per_layer_config() if self.known is not None else {}

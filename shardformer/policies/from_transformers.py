@@ -18,16 +18,20 @@ front-ends beside hand-written policies, Paddle-style plans and Parallelformers-
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from torch import nn
 
 from ..tensor.lora_sharding import native_module
 from ..paths import base_prefix, find_submodule, match, split_at_base
 from ..stage.forward import IDENTITY, INPUT
-from ..tensor.styles import (Colwise, Experts, GradAllReduce, KVHeads, Rowwise, SharedTailGrad, SplitParam, VocabEmbedding,
-                      VocabHead)
-from .base import Policy
+from ..stage.placement import StagePlacement
+from ..tensor.styles import (Colwise, Experts, GradAllReduce, KVHeads, ParallelStyle, Rowwise, SharedTailGrad,
+                             SplitParam, VocabEmbedding, VocabHead)
+from .base import Policy, check_divisible
+from .plan import Plan, per_layer
 from .transformers_compat import declared_plans, kv_sharing_modes
 
 # transformers' style names (5.x, plus the 4.x spellings) -> our style; None: nothing to do (replicated)
@@ -64,6 +68,13 @@ INEXACT_PP = {
     "hidden_size_per_layer_input": "each layer reads its slice of the per-layer inputs by its position in the "
                                    "model's loop, which a stage's shorter layer list shifts",
 }
+
+
+class TPFit(NamedTuple):
+    """A plan's tensor-parallel part fitted to one tp size."""
+    tp_plan: Dict[str, ParallelStyle]
+    attribute_values: Dict[str, Dict[str, object]]
+    divisible: Tuple[str, ...]
 
 
 class PlanRefused(NotImplementedError):
@@ -215,45 +226,59 @@ class TransformersPlanPolicy(Policy):
         return next((s for p, s in self.tp_plan.items() if match(p, path)), None)
 
     def check_tp(self, config, tp_size: int) -> None:
-        """As Policy.check_tp; with more tp ranks than key/value heads (a multiple of them), the key/value
-        projections are replicated instead (KVHeads) and each attention repeats its kv head for fewer query heads.
-        A config feature the plan cannot honour (INEXACT_TP), or a plan style we cannot apply, is refused."""
+        """As Policy.check_tp, on the plan fitted to `tp_size` (`fit_to_tp`). A config feature the plan cannot honour
+        (INEXACT_TP), or a plan style we cannot apply, is refused."""
         if tp_size > 1 and self.unsupported:
             raise PlanRefused(f"{type(self.model).__name__} cannot be tensor-parallel: "
                               f"{next(iter(self.unsupported.values()))} Use tp_size=1: without tensor parallelism the "
                               f"style does not apply, and pipeline, data and expert parallelism do.")
         _refuse_features(self.model, INEXACT_TP if tp_size > 1 else {}, "tensor", "tp_size=1 (pipeline and data "
                          "parallel)")
-        per_layer = {a: _values(config, a) for a in self.tp_divisible if len(_values(config, a)) > 1}
+        check_divisible(config, tp_size, self.fit_to_tp(config, tp_size).divisible)
+
+    def tp_config(self):
+        """The config whose heads the plan splits (check_tp's)."""
+        return self.model.config
+
+    def fit_to_tp(self, config, tp_size: int) -> TPFit:
+        """The plan for `tp_size`: a heterogeneous config's per-layer head counts must all split (checked here, not
+        by the config-wide check); with more tp ranks than key/value heads (a multiple of them), the key/value
+        projections are replicated instead (KVHeads) and each attention repeats its kv head for fewer query
+        heads. The policy itself is left as it is."""
+        plan, values, divisible = dict(self.tp_plan), dict(self.tp_attribute_values), tuple(self.tp_divisible)
+        per_layer = {a: _values(config, a) for a in divisible if len(_values(config, a)) > 1}
         if per_layer and tp_size > 1:  # a heterogeneous config: every layer's heads split evenly
             bad = {a: sorted(set(v)) for a, v in per_layer.items() if any(x % tp_size for x in v)}
             if bad:
                 raise ValueError(f"tp_size={tp_size} does not divide the per-layer {bad} of "
                                  f"{type(config).__name__}; give a tp size dividing every layer's.")
-            self.tp_divisible = tuple(a for a in self.tp_divisible if a not in per_layer)
+            divisible = tuple(a for a in divisible if a not in per_layer)
         kv, heads = (_values(config, a) for a in ("num_key_value_heads", "num_attention_heads"))
         kv, heads = (v[0] if len(v) == 1 else None for v in (kv, heads))
-        if "num_key_value_heads" in self.tp_divisible and kv and heads and tp_size > kv and tp_size % kv == 0:
-            self.tp_divisible = tuple(a for a in self.tp_divisible if a != "num_key_value_heads")
-            super().check_tp(config, tp_size)
+        if "num_key_value_heads" in divisible and kv and heads and tp_size > kv and tp_size % kv == 0:
+            divisible = tuple(a for a in divisible if a != "num_key_value_heads")
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
             base = self.model.base_model
-            for pattern, style in list(self.tp_plan.items()):
+            for pattern, style in list(plan.items()):
                 kv_modules = [m for _, m in _matching(base, (pattern,)) if isinstance(native_module(m), nn.Linear)
                               and native_module(m).out_features == kv * head_dim] if isinstance(style, Colwise) else []
                 if kv_modules and not style.gather_output:
-                    self.tp_plan[pattern] = KVHeads(kv)
-                    self.tp_attribute_values = {**self.tp_attribute_values,
-                                                pattern.rpartition(".")[0]: {"num_key_value_groups": heads // tp_size}}
-            return
-        super().check_tp(config, tp_size)
+                    plan[pattern] = KVHeads(kv)
+                    values[pattern.rpartition(".")[0]] = {"num_key_value_groups": heads // tp_size}
+        return TPFit(plan, values, divisible)
 
-    def layers_per_stage(self) -> List[int]:
-        if self.stage_manager.num_stages > 1:
+    def plan(self, tp_size: int = 1) -> Plan:
+        fit = self.fit_to_tp(self.tp_config(), tp_size)
+        return replace(super().plan(tp_size), tp_plan=MappingProxyType(fit.tp_plan), tp_divisible=fit.divisible,
+                       tp_attribute_values=MappingProxyType({k: MappingProxyType(v)
+                                                             for k, v in fit.attribute_values.items()}))
+
+    def stage_placement(self) -> StagePlacement:
+        """As Policy's, refusing first (before the split is decided) a config feature the plan cannot honour
+        across pipeline stages (INEXACT_PP)."""
+        if self.stage_manager is not None and self.stage_manager.num_stages > 1:
             _refuse_features(self.model, INEXACT_PP, "pipeline", "pp_size=1 (tensor and data parallel)")
-        split = super().layers_per_stage()
-        self.check_split(split)
-        return split
+        return super().stage_placement()
 
     def check_split(self, split: List[int]) -> None:
         """Refuse a pipeline split (layers per stage; every rank decides the same one) that puts a layer reusing an
@@ -278,13 +303,10 @@ class TransformersPlanPolicy(Policy):
                                   f"(config.kv_sharing_modes), which the pipeline split {split} puts on another "
                                   f"stage; give num_layers_per_stage keeping layers {producer}..{i} on one stage.")
 
-    def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
+    def per_layer_config(self) -> Dict[str, Tuple[object, ...]]:
         # the models' loops pick a layer's mask (and rotary) by its position in the loop over the held layers
         # (a config computing layer_types from other fields, e.g. Jamba's periods, keeps them: not settable)
-        types = vars(self.model.config).get("layer_types")
-        if isinstance(types, (list, tuple)) and len(types) >= end:
-            return {"layer_types": list(types[start:end])}
-        return {}
+        return per_layer(self.model.config)
 
 
 def _values(config, attr: str) -> List[object]:

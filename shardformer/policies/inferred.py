@@ -61,7 +61,7 @@ class InferredPolicy(ProvenPolicy):
 
     def check_tp(self, config, tp_size: int) -> None:
         """Every split size of the real model (column outputs per fused area, row inputs, divided attributes) must
-        divide by tp (the proof follows, in the sharder's check_and_prove)."""
+        divide by tp (the proof follows, in the sharder's prepare_plan)."""
         base = self.model.base_model
         for path, module in base.named_modules() if tp_size > 1 else ():
             style = next((s for p, s in self.tp_plan.items() if match(p, path)), None)

@@ -25,6 +25,7 @@ from ..paths import base_prefix
 from ..stage.forward import RELEASED
 from ..tensor.styles import Colwise
 from .from_transformers import PlanRefused, TransformersPlanPolicy
+from .plan import per_layer
 
 __all__ = ["MultimodalPolicy", "is_multimodal"]
 
@@ -76,18 +77,18 @@ class MultimodalPolicy(TransformersPlanPolicy):
         """The text decoder's heads must split (the encoders stay whole)."""
         super().check_tp(self._text_config(config), tp_size)
 
-    def stage_config_overrides(self, start: int, end: int) -> Dict[str, object]:
+    def tp_config(self):
+        return self._text_config(self.model.config)
+
+    def per_layer_config(self) -> Dict[str, Tuple[object, ...]]:
         """The language model's loop picks a layer's mask by its position among the held layers."""
-        types = vars(self._loop().config).get("layer_types")
-        if isinstance(types, (list, tuple)) and len(types) >= end:
-            return {"layer_types": list(types[start:end])}
-        return {}
+        return per_layer(self._loop().config)
 
     def _loop(self) -> nn.Module:
         return self.model.get_submodule((self.base_prefix + self.layers).rpartition(".")[0])
 
-    def layers_per_stage(self) -> List[int]:
-        split = super().layers_per_stage()
+    def check_split(self, split: List[int]) -> None:
+        super().check_split(split)
         fed = ENCODER_FED_LAYERS.get(getattr(self.model.config, "model_type", None))
         taken = [a for a in inspect.signature(self._loop().forward).parameters if ENCODER_OUTPUT_ARGUMENT.search(a)]
         if taken and not fed and self.encoders and self.stage_manager.num_stages > 1:
@@ -101,7 +102,6 @@ class MultimodalPolicy(TransformersPlanPolicy):
                               f"(the one running the encoder) must hold them and one more layer; the pipeline split "
                               f"{split} gives it {split[0]}: give num_layers_per_stage whose first entry is at least "
                               f"{n + 1}.")
-        return split
 
 
 def _borrowed_plans(model: nn.Module) -> Optional[Tuple[Dict, Dict]]:

@@ -1,8 +1,9 @@
-"""A policy to be proven by one forward before it is used: when the model is sharded (the sharder's first transform,
-`check_and_prove`, runs the context's `prove` after its checks, on every rank before any collective of the real model; booster_plugin's prepare passes
-prove.prove_policy), a small twin of the model runs one forward and backward sharded with this policy and whole, and
-the policy is refused unless losses, module outputs and gradients agree. Inferred policies (inferred.py) are proven
-so; so are hand-written ones whose family has variants a plan may not fit (falcon.py)."""
+"""A policy to be proven by one forward before it is used: when the model is sharded (the sharder's policy step,
+`prepare_plan`, runs the context's `prove` after the policy's checks and before its plan is made, on every rank
+before any collective of the real model; booster_plugin's prepare passes prove.prove_policy), a small twin of the
+model runs one forward and backward sharded with this policy and whole, and the policy is refused unless losses,
+module outputs and gradients agree. Inferred policies (inferred.py) are proven so; so are hand-written ones whose
+family has variants a plan may not fit (falcon.py)."""
 from __future__ import annotations
 
 import copy

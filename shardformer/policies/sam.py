@@ -5,6 +5,8 @@ position tables (`rel_pos_h`, `rel_pos_w`: one row of head_dim per distance, sha
 rank's gradient covers its heads only and is summed over tp. The mask decoder's attentions (q/k/v by columns,
 out_proj by rows, each reshaping with num_attention_heads) and MLPs split alike; the prompt encoder, the neck, the
 upscaling and the output heads are replicated. Pipeline parallelism is refused (layers_per_stage says why)."""
+from typing import List
+
 from .base import Colwise, GradAllReduce, Policy, Rowwise
 from .from_transformers import PlanRefused
 
@@ -32,10 +34,10 @@ class SamPolicy(Policy):
         super().check_tp(config.vision_config, tp_size)
         super().check_tp(config.mask_decoder_config, tp_size)
 
-    def layers_per_stage(self):
-        if self.stage_manager is not None and self.stage_manager.num_stages > 1:
+    def check_split(self, split: List[int]) -> None:
+        if self.stage_manager.num_stages > 1:
             raise PlanRefused(f"{type(self.model).__name__}: its forward runs the whole vision encoder from "
                               f"pixel_values (a later stage gets no image embeddings to start from) and the encoder "
                               f"adds its raw pos_embed parameter after the patch embedding, which no stage's "
                               f"stand-in can leave out. Use pp_size=1 (tensor and data parallel).")
-        return super().layers_per_stage()
+        super().check_split(split)

@@ -20,9 +20,9 @@ class WhisperPolicy(BartPolicy):
     # (its attention views keys and values by `num_heads`: this rank's heads under tp)
     tp_attributes = {"*.layers.*.self_attn": ("num_heads",), "decoder.layers.*.encoder_attn": ("num_heads",)}
 
-    def layers_per_stage(self) -> List[int]:
-        split = super().layers_per_stage()
-        n_enc = self._stack_sizes()[0]
+    def check_split(self, split: List[int]) -> None:
+        super().check_split(split)
+        n_enc = self.layer_stacks()[0]
         starts = [sum(split[:i]) for i in range(1, len(split))]
         inside = [s for s in starts if 0 < s < n_enc]
         if inside:
@@ -31,4 +31,3 @@ class WhisperPolicy(BartPolicy):
                 f"its layer {inside[0] - 1}); Whisper's encoder begins with convolutions over the audio features, so "
                 f"it runs whole on the first stage. Give num_layers_per_stage whose first stage holds all "
                 f"{n_enc} encoder layers (e.g. [{n_enc}, ...]).")
-        return split

@@ -28,10 +28,10 @@ class WhisperForAudioClassificationPolicy(Policy):
     tp_divisible = tuple(attr for attr in WhisperPolicy.tp_divisible if attr.startswith("encoder_"))
     local_rng_modules = tuple(_encoder_only(dict.fromkeys(WhisperPolicy.local_rng_modules)))
 
-    def layers_per_stage(self) -> List[int]:
+    def check_split(self, split: List[int]) -> None:
         if self.stage_manager.num_stages > 1 and self.model.config.use_weighted_layer_sum:
             raise NotImplementedError(
                 f"{type(self.model).__name__} with use_weighted_layer_sum=True classifies a weighted sum of every "
                 f"encoder layer's hidden states, but a pipeline stage sends on only its last layer's: train it with "
                 f"pp_size=1 (tp is supported), or set use_weighted_layer_sum=False.")
-        return super().layers_per_stage()
+        super().check_split(split)

@@ -98,7 +98,7 @@ def _prove(policy, cfg, sm) -> Optional[str]:
             sharded = sharder.shard()
         except Exception as error:  # noqa: BLE001  (sharding is local: alike on every rank)
             return f"{what}: sharding the twin fails ({_say(error)})."
-        found = _run_and_compare(twin, twin_policy, sharded, sm, batch, ref, ref_loss, cfg, device)
+        found = _run_and_compare(twin, sharded, sm, batch, ref, ref_loss, cfg, device)
     return None if found is None else f"{what}: {found[2]}. Write a policy for it (custom_policy=...)."
 
 
@@ -209,11 +209,11 @@ def _agree(item: Optional[Mismatch], groups) -> Optional[Mismatch]:
     return item
 
 
-def _run_and_compare(twin, policy, sharded: ShardResult, sm, batch, ref: "_Recorder", ref_loss, cfg,
+def _run_and_compare(twin, sharded: ShardResult, sm, batch, ref: "_Recorder", ref_loss, cfg,
                      device) -> Optional[Mismatch]:
     """The sharded twin's forward, then (if it agrees) backward, each compared with the reference's."""
     groups = (cfg.tp.active, sm.pp_group if sm is not None else None)
-    rec = _Recorder(twin, list(ref.outputs), (base_prefix(twin) + policy.layers + ".*",))
+    rec = _Recorder(twin, list(ref.outputs), (base_prefix(twin) + sharded.plan.layers + ".*",))
     pipe = _Pipeline(twin, sharded.stage_forward, sm, device)
     found = pipe.forward(batch, rec)
     order = {p: i for i, p in enumerate(ref.order)}

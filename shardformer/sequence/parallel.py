@@ -44,13 +44,14 @@ from .ring_layout import zigzag_index
 from ..layer.spec import get_tp_spec
 from ..layer.replicated import sum_grad_over_tp
 from ..policies.base import Colwise, Experts, KVHeads, Policy, Rowwise, SharedTailGrad, SplitParam
+from ..policies.plan import Plan
 from .ring import use_ring_attention
 from ..expert.router_logits import replace_router_logits
 from .loss import HeadOnShard, keep_split_through_head
 from .ulysses import SEQUENCE_DIM, use_ulysses_attention
 
 __all__ = ["SEQUENCE_PARALLEL_MODES", "SEQUENCE_DIM", "SequenceParallel", "SequenceSpan", "resolve_mode", "check_sequence_parallelism",
-           "inside_layers", "sequence_span", "apply_sequence_parallelism", "gather_tokens"]
+           "check_sequence_plan", "sequence_span", "apply_sequence_parallelism", "gather_tokens"]
 
 SEQUENCE_PARALLEL_MODES = ("split_gather", "all_to_all", "ring_attn")
 
@@ -120,31 +121,31 @@ def resolve_mode(enable: bool, mode: Optional[str], sp_size: Optional[int], tp_s
     return SequenceParallel(mode, size)
 
 
-def inside_layers(policy: Policy, rel: str) -> bool:
-    """Is the base-relative path `rel` (a module or parameter) inside the policy's layer list?"""
-    return rel.startswith(policy.layers + ".")
-
-
 def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: int, sp_size: int = 1) -> None:
+    """`check_sequence_plan` of a policy bound to its model (its plan)."""
+    check_sequence_plan(policy.model, policy.plan(tp_size), mode, config, tp_size, sp_size)
+
+
+def check_sequence_plan(model: nn.Module, plan: Plan, mode: str, config: Any, tp_size: int, sp_size: int = 1) -> None:
     """Refuse (the same on every rank, before any collective of the sharding) what the mode cannot split exactly,
     naming the model, the module or setting, and what to use instead. `sp_size` > 1: over a group of its own."""
-    name = type(policy.model).__name__
+    name = type(model).__name__
     if mode not in SEQUENCE_PARALLEL_MODES:
         raise ValueError(f"sequence_parallelism_mode={mode!r}: use one of {SEQUENCE_PARALLEL_MODES}.")
     if tp_size == 1 and sp_size == 1:
         raise ValueError("Sequence parallelism splits the sequence over the tp group (or sp_size ranks of its own): "
                          "it needs tp_size > 1 or sp_size > 1.")
-    if getattr(policy, "release_unheld_layers", None) is not None or getattr(config, "is_encoder_decoder", False):
+    if plan.release is not None or getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError(f"enable_sequence_parallelism: {name} is an encoder-decoder model (cross-attention "
                                   f"reads the other stack's full sequence), which is not supported; use "
                                   f"enable_sequence_parallelism=False.")
     if mode == "all_to_all" and sp_size > 1:
         _check_heads_split(name, config, tp_size, sp_size)
     if mode == "all_to_all":
-        _check_no_per_head_parameters(policy, name, config)
-    experts = {pattern for pattern, style in policy.tp_plan.items() if isinstance(style, Experts)}
-    for pattern, style in policy.tp_plan.items():
-        if not inside_layers(policy, pattern):
+        _check_no_per_head_parameters(model, plan, name, config)
+    experts = {pattern for pattern, style in plan.tp_plan.items() if isinstance(style, Experts)}
+    for pattern, style in plan.tp_plan.items():
+        if not plan.inside_layers(pattern):
             continue
         if mode == "split_gather" and ((isinstance(style, Colwise) and style.gather_output)
                                        or (isinstance(style, Rowwise) and style.split_input)):
@@ -163,7 +164,7 @@ def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: 
                              f"but {name} has {style.num_heads} key/value heads for tp_size={tp_size}: use a tp size "
                              f"that divides {style.num_heads}, or sequence_parallelism_mode='split_gather'.")
     if mode == "split_gather":
-        _check_mixers_are_regions(policy, name)
+        _check_mixers_are_regions(model, plan, name)
 
 
 def _check_heads_split(name: str, config: Any, tp_size: int, sp_size: int) -> None:
@@ -178,11 +179,11 @@ def _check_heads_split(name: str, config: Any, tp_size: int, sp_size: int) -> No
                              f"'ring_attn' (any number of heads).")
 
 
-def _check_no_per_head_parameters(policy: Policy, name: str, config: Any) -> None:
+def _check_no_per_head_parameters(model: nn.Module, plan: Plan, name: str, config: Any) -> None:
     """all_to_all hands the model's attention function 1/sp of the heads: an attention module's own per-head
     parameter (one value per head, e.g. GPT-OSS's sinks), which that function reads whole, would not match them."""
     heads = getattr(config, "num_attention_heads", None)
-    layers = policy.layer_list()
+    layers = plan.layer_list(model)
     if not isinstance(heads, int) or len(layers) == 0:
         return
     for path, module in layers[0].named_modules():
@@ -191,7 +192,7 @@ def _check_no_per_head_parameters(policy: Policy, name: str, config: Any) -> Non
         for param, p in module.named_parameters(recurse=False):
             if p.shape == (heads,):
                 raise NotImplementedError(f"sequence_parallelism_mode='all_to_all': {name}'s attention "
-                                          f"'{policy.layers}.*.{path}' reads a per-head parameter '{param}' whole, "
+                                          f"'{plan.layers}.*.{path}' reads a per-head parameter '{param}' whole, "
                                           f"which the heads exchange would not split; use sequence_parallelism_mode="
                                           f"'ring_attn'.")
 
@@ -204,19 +205,19 @@ def _refuse_split_gather(reason: str) -> None:
 _TOKEN_MIXERS = re.compile(r"Attention|Attn|Mamba|Mixer|DeltaNet")  # transformers' names of token-mixing blocks
 
 
-def _check_mixers_are_regions(policy: Policy, name: str) -> None:
+def _check_mixers_are_regions(model: nn.Module, plan: Plan, name: str) -> None:
     """split_gather gathers the sequence at the entry of a layer's tp regions only: a block of the layer that mixes
     tokens (an attention) without tp entries would see this rank's part of the sequence alone. Refuse it."""
-    layers = policy.layer_list()
+    layers = plan.layer_list(model)
     if len(layers) == 0:
         return
-    planned = [pattern for pattern, style in policy.tp_plan.items() if isinstance(style, Colwise)]
+    planned = [pattern for pattern, style in plan.tp_plan.items() if isinstance(style, Colwise)]
     for path, module in layers[0].named_modules():
         if not path or not _TOKEN_MIXERS.search(type(module).__name__):
             continue
-        prefix = f"{policy.layers}.*.{path}."
+        prefix = f"{plan.layers}.*.{path}."
         if not any(p.startswith(prefix) for p in planned):
-            _refuse_split_gather(f"{name}'s '{policy.layers}.*.{path}' ({type(module).__name__}) mixes tokens but "
+            _refuse_split_gather(f"{name}'s '{plan.layers}.*.{path}' ({type(module).__name__}) mixes tokens but "
                                  f"has no tp plan, so it would see only this rank's part of the sequence")
 
 
@@ -228,15 +229,15 @@ class SequenceSpan(NamedTuple):
     norm: Optional[nn.Module]
 
 
-def sequence_span(policy: Policy) -> SequenceSpan:
+def sequence_span(model: nn.Module, plan: Plan) -> SequenceSpan:
     """The span of the unsharded model (call before the pipeline releases modules): the layers, and the first exit
     module too when it is a norm (parameters all 1-D: a LayerNorm/RMSNorm), which acts on each token alone."""
-    layers = policy.layer_list()
-    base = policy.model.base_model
+    layers = plan.layer_list(model)
+    base = model.base_model
     norm = None
-    if policy.exit:
+    if plan.exit:
         try:
-            module = base.get_submodule(policy.exit[0])
+            module = base.get_submodule(plan.exit[0])
         except AttributeError:
             module = None
         params = list(module.parameters()) if module is not None else []
@@ -245,7 +246,7 @@ def sequence_span(policy: Policy) -> SequenceSpan:
     return SequenceSpan(layers[0], norm if norm is not None else layers[len(layers) - 1], norm)
 
 
-def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceSpan, mode: str,
+def apply_sequence_parallelism(model: nn.Module, plan: Plan, span: SequenceSpan, mode: str,
                                seq: Axis, own_group: bool = False,
                                parallel_output: bool = True) -> Optional[HeadOnShard]:
     """Split the sequence over the `seq` axis in `span`, on a model already sharded for tp; see the module
@@ -253,7 +254,7 @@ def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceS
 
     Args:
         model: the sharded model (this stage's layers only).
-        policy: its policy (`layers`, `base_prefix`).
+        plan: its plan (`layers`, `base_prefix`).
         span: from `sequence_span` on the unsharded model (hooks act where this stage holds the modules).
         mode: "split_gather", "all_to_all" or "ring_attn".
         seq: the tp axis, or with `own_group` the sequence-parallel axis of its own (every parameter of the span,
@@ -263,7 +264,7 @@ def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceS
     Returns the split head's state where this stage keeps the sequence split through it (loss.py).
     """
     world, rank, group = seq.size, seq.rank, seq.group
-    held: List[nn.Module] = list(policy.layer_list())
+    held: List[nn.Module] = list(plan.layer_list(model))
     zigzag = mode == "ring_attn"
     tokens = TokenShard(group, world, rank, zigzag)
     span.first.register_forward_pre_hook(_SplitSequence(group, world, rank, zigzag, "sp_size" if own_group else
@@ -273,7 +274,7 @@ def apply_sequence_parallelism(model: nn.Module, policy: Policy, span: SequenceS
     # vocab-parallel loss needs
     head = keep_split_through_head(model, tokens, parallel_output) if own_group else None
     if mode == "split_gather":
-        prefix = policy.base_prefix + policy.layers + "."
+        prefix = plan.base_prefix + plan.layers + "."
         for path, module in model.named_modules():
             if path.startswith(prefix) and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.sequence_dim = SEQUENCE_DIM

@@ -1,6 +1,6 @@
 """A pipeline stage of a model with one layer list: release what this rank's stages do not hold (see forward.py) and
 build the callable that runs each of its chunks (virtual stages). Policies with another stage structure declare
-their own (`Policy.release_unheld_layers`, e.g. encoder_decoder.py)."""
+their own (`Plan.release`: `Policy.release_unheld_layers`, e.g. encoder_decoder.py)."""
 from __future__ import annotations
 
 import copy
@@ -14,50 +14,51 @@ from .forward import (ChunkView, Released, StageForward, get_submodule_parent, h
                       stand_in_for)
 
 if TYPE_CHECKING:  # the plan's type only: plans import this room's vocabulary, not the reverse
-    from ..policies.base import Policy
+    from ..policies.plan import Plan
 
 __all__ = ["release_unheld"]
 
 
-def release_unheld(model: nn.Module, policy: Policy, sm: PipelineStageManager) -> Optional[StageForward]:
-    """Keep the layers of this rank's chunks, the entry modules where the first virtual stage is held (stand-ins
-    elsewhere, and for this rank's other chunks), the exit and head where the last is; the stage's runner (None
-    with one stage)."""
-    ranges = sm.get_stage_index(policy.layers_per_stage(), num_model_chunks=sm.num_model_chunks)
+def release_unheld(model: nn.Module, plan: Plan, sm: PipelineStageManager, split: Sequence[int]
+                   ) -> Optional[StageForward]:
+    """Keep the layers of this rank's chunks (`split`: layers of each virtual stage), the entry modules where the
+    first virtual stage is held (stand-ins elsewhere, and for this rank's other chunks), the exit and head where the
+    last is; the stage's runner (None with one stage)."""
+    ranges = sm.get_stage_index(list(split), num_model_chunks=sm.num_model_chunks)
     ranges = [ranges] if sm.num_model_chunks == 1 else ranges
     stages = sm.layout.stages_of(sm.stage)
     last = sm.layout.num_stages - 1
-    layers = policy.layer_list()
-    stand_ins = _stand_ins(policy)
+    layers = plan.layer_list(model)
+    stand_ins = _stand_ins(model, plan)
     if 0 not in stages:  # the stand-ins for good
         for path, module in stand_ins.items():
             replace_submodule(model, path, module)
     if last not in stages:
-        _release_exit(model, policy)
+        _release_exit(model, plan)
     if 0 in stages and len(stages) > 1 and stand_ins:  # swapped in for the other chunks
         # registered after the head's release (which takes every top-level module but the base model), so that
         # model.to(dtype) reaches them: their zeros, and the rotary tables built from them, follow the model
         model.pipeline_stand_ins = nn.ModuleDict({p.replace(".", "__"): m for p, m in stand_ins.items()})
     held = held_layer_list(layers, [i for start, end in ranges for i in range(start, end)])
-    replace_submodule(model, policy.base_prefix + policy.layers, held)
+    replace_submodule(model, plan.base_prefix + plan.layers, held)
     if sm.layout.num_stages == 1:
         return None
-    loop = _loop_owner(policy)
-    chunks = _chunk_views(policy, layers, stages, ranges, stand_ins, last, loop.config)
-    return StageForward(model, chunks, held, policy.first_stage_inputs, loop)
+    loop = _loop_owner(model, plan)
+    chunks = _chunk_views(plan, layers, stages, ranges, stand_ins, last, loop.config)
+    return StageForward(model, chunks, held, plan.first_stage_inputs, loop)
 
 
-def _loop_owner(policy: Policy) -> nn.Module:
+def _loop_owner(model: nn.Module, plan: Plan) -> nn.Module:
     """The module whose forward loops over the layer list (the base model, or e.g. a vision-language model's
     language model): its config is the one a chunk's view replaces."""
-    return policy.model.get_submodule((policy.base_prefix + policy.layers).rpartition(".")[0])
+    return model.get_submodule((plan.base_prefix + plan.layers).rpartition(".")[0])
 
 
-def _stand_ins(policy: Policy) -> Dict[str, nn.Module]:
+def _stand_ins(model: nn.Module, plan: Plan) -> Dict[str, nn.Module]:
     """Model-relative path -> stand-in, for each entry module the model has."""
-    base, prefix = policy.model.base_model, policy.base_prefix
+    base, prefix = model.base_model, plan.base_prefix
     stand_ins: Dict[str, nn.Module] = {}
-    for path, kind in policy.entry.items():
+    for path, kind in plan.entry.items():
         parent, name = get_submodule_parent(base, path)
         if getattr(parent, name, None) is None:  # optional module this model does not have
             continue
@@ -65,22 +66,22 @@ def _stand_ins(policy: Policy) -> Dict[str, nn.Module]:
     return stand_ins
 
 
-def _release_exit(model: nn.Module, policy: Policy) -> None:
+def _release_exit(model: nn.Module, plan: Plan) -> None:
     """Release the exit modules and the head (the last stage's)."""
-    base, prefix = model.base_model, policy.base_prefix
-    for path in policy.exit:
+    base, prefix = model.base_model, plan.base_prefix
+    for path in plan.exit:
         if getattr(*get_submodule_parent(base, path)) is not None:
             replace_submodule(base, path, Released(prefix + path))
-    for name in policy.head_modules():
+    for name in plan.heads:
         setattr(model, name, Released(name))
 
 
-def _chunk_views(policy: Policy, layers: nn.ModuleList, stages: Sequence[int], ranges: List[Tuple[int, int]],
+def _chunk_views(plan: Plan, layers: nn.ModuleList, stages: Sequence[int], ranges: List[Tuple[int, int]],
                  stand_ins: Dict[str, nn.Module], last: int, config) -> List[ChunkView]:
     """How the model looks while each of this rank's chunks runs (`config`: that of the layers' loop)."""
     chunks = []
     for stage, (start, end) in zip(stages, ranges):
-        overrides = policy.stage_config_overrides(start, end)
+        overrides = plan.stage_config(start, end)
         view = None
         if overrides:  # a chunk-local config view for the base model's loop; the model's own is untouched
             view = copy.copy(config)

@@ -17,24 +17,24 @@ from ..layer.region import enter_region, is_region_member, join_region
 from ..paths import match
 
 if TYPE_CHECKING:  # the plan's type only: plans import this room's vocabulary, not the reverse
-    from ..policies.base import Policy
+    from ..policies.plan import Plan
 
 __all__ = ["enter_tp_regions_once"]
 
 
-def enter_tp_regions_once(model: nn.Module, policy: Policy, tp: Axis, sequence_dim: Optional[int]) -> None:
-    """Hook the policy's `tp_input_regions` (base-relative patterns) that hold split-input modules.
+def enter_tp_regions_once(model: nn.Module, plan: Plan, tp: Axis, sequence_dim: Optional[int]) -> None:
+    """Hook the plan's `tp_input_regions` (base-relative patterns) that hold split-input modules.
 
     Args:
         model: the sharded model.
-        policy: its policy.
+        plan: its plan.
         tp: the tp axis.
         sequence_dim: the sequence dimension with split_gather sequence parallelism, else None.
     """
-    prefix = policy.base_prefix
+    prefix = plan.base_prefix
     for path, region in model.named_modules():
         rel = path[len(prefix):] if path.startswith(prefix) else None
-        if rel is None or not any(match(p, rel) for p in policy.tp_input_regions):
+        if rel is None or not any(match(p, rel) for p in plan.tp_input_regions):
             continue
         members = [m for m in region.modules() if isinstance(m, ColumnParallelLinear) or is_region_member(m)]
         if members:

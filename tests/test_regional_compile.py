@@ -35,8 +35,8 @@ def _compiled(name: str, kind: str, **plugin_kwargs) -> Counter:
 
 def _cases() -> None:
     _compiled("tp2 pp2", "llama_lm", tp_size=2, pp_size=2, num_microbatches=2)
-    # checkpointed layers: the checkpoint traced into each layer's graph, the tp regions' slots set inside it
-    # (regional_compile.py: without tracing_checkpoints() each layer breaks at its checkpoint, "HOP: Unsafe side effect")
+    # checkpointed layers: the checkpoint traced into each layer's graph, the tp regions' slots set inside it (without
+    # regional_compile.tracing_checkpoints() each layer breaks at its checkpoint: "HOP: Unsafe side effect")
     _compiled("tp2 pp2", "llama_lm", tp_size=2, pp_size=2, num_microbatches=2, gradient_checkpoint_config=CKPT)
     assert _compiled("ring sp2", "llama_lm", **SP_RING), "the ring attention ran compiled?"
     _compiled("ep2", "qwen3moe_lm", ep_size=2)

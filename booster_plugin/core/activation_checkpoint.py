@@ -10,7 +10,8 @@ weight-gradient store a zbv forward binds its linear layers to (pipeline/split_b
 `_replaying_forward_state` replays the recomputation from the private state the forward started with (leaving the
 tracker's progression untouched, so masks are identical) and under the same store (so it saves what the forward
 saved). Inside a compiled layer (regional compilation) without a store, and without dropout under tp, there is
-nothing to replay: the layer's forward is checkpointed as it is, and dynamo traces the checkpoint into the graph.
+nothing to replay: the layer's forward is checkpointed as it is, and dynamo traces the checkpoint into the graph;
+with something to replay, the checkpoint runs eagerly (a graph break; core/regional_compile.py).
 """
 from __future__ import annotations
 
@@ -79,9 +80,10 @@ def _replaying_forward_state(checkpoint_fn: Callable, tracker: Optional[TPRNGTra
         # are bound to (zbv, pipeline/split_backward.py): the recomputation must save what the forward saved
         forward_state = tracker.local_states if tracker is not None else None
         store = bound_store()
-        if torch.compiler.is_compiling() and store is None and not (tracker is not None and dropping):
+        replays = store is not None or (tracker is not None and dropping)
+        if torch.compiler.is_compiling() and not replays:
             # a compiled layer (regional compilation): nothing to replay, and the compiled backward recomputes from
-            # its own graph (the bookkeeping below is Python state a traced checkpoint may not mutate)
+            # its own graph (core/regional_compile.py)
             return checkpoint_fn(function, *args, **kwargs)
         calls = []
 
@@ -98,9 +100,17 @@ def _replaying_forward_state(checkpoint_fn: Callable, tracker: Optional[TPRNGTra
                 finally:
                     tracker.local_states = progressed
 
+        if torch.compiler.is_compiling():  # the replay is Python: the checkpoint runs eagerly (a graph break)
+            return _eager_checkpoint(checkpoint_fn, run, *args, **kwargs)
         return checkpoint_fn(run, *args, **kwargs)
 
     return checkpoint
+
+
+@torch.compiler.disable
+def _eager_checkpoint(checkpoint_fn: Callable, function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """`checkpoint_fn(function, ...)` run eagerly from a compiled layer, `function` included."""
+    return checkpoint_fn(function, *args, **kwargs)
 
 
 def apply_activation_checkpointing(model: nn.Module, held_layers: Sequence[nn.Module], stage: int,

@@ -17,6 +17,7 @@ from shardformer.layer.spec import get_tp_spec
 
 from ..guards.failure import FailureGuard
 from .grad_bucket import BUCKET_BYTES, GradBucket, ReduceAxis, broadcast_params, make_buckets
+from .regional_compile import tracing_checkpoints
 
 if TYPE_CHECKING:
     from shardformer.chunked_loss import ChunkedLoss
@@ -46,6 +47,7 @@ class ModelInfo:
     sequence_head: Optional["HeadOnShard"] = None  # sequence parallelism kept split through the LM head and loss
     chunked_loss: Optional["ChunkedLoss"] = None  # the causal-LM loss computed in chunks, without the full logits
     placement: Optional["StagePlacement"] = None  # the unsharded model's layers and parameters over the pipeline
+    compiled_layers: bool = False  # decoder layers compiled: forward traces their checkpoints (regional_compile.py)
 
 
 class HybridParallelModule(nn.Module):
@@ -250,9 +252,10 @@ class HybridParallelModule(nn.Module):
     def forward(self, *args, **kwargs) -> Any:
         if self._buckets and self.pp_group is None and torch.is_grad_enabled():
             self._forwards += 1
-        if self._stage_forward is not None:
-            return self._stage_forward(*args, **kwargs)
-        return self.module(*args, **kwargs)
+        with tracing_checkpoints() if self.info.compiled_layers else contextlib.nullcontext():
+            if self._stage_forward is not None:
+                return self._stage_forward(*args, **kwargs)
+            return self.module(*args, **kwargs)
 
     # -- gradient reduction (called by the optimizer's step) ---------------------------------------------
     @property

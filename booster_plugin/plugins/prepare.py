@@ -88,7 +88,8 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
                                  ragged=image_rows(model.config) if hasattr(model, "config") else None), lora)
     sharded = _shard(model, policy, opts, ctx, stage_manager)
     info = replace(info, expert_params=frozenset(sharded.expert_params), sequence_head=sharded.sequence_head,
-                   chunked_loss=sharded.chunked_loss, placement=sharded.placement)
+                   chunked_loss=sharded.chunked_loss, placement=sharded.placement,
+                   compiled_layers=opts.sharding.speed.compile_layers)
     params = dict(model.named_parameters(remove_duplicate=False))
     shared = []
     for names in sharded.shared:  # every rank creates every group, in the same order

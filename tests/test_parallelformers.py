@@ -89,7 +89,7 @@ def test_translation_is_the_hand_written_policy():
     policy.set_model(mu.build("gpt2_lm"))
     assert policy.tp_plan == {k: v for k, v in GPT2Policy.tp_plan.items() if k != "wte"}
     policy.check_tp(policy.model.config, 2)
-    assert policy.tp_attributes == {"h.*.attn": ("embed_dim", "split_size", "num_heads")}
+    assert policy.plan(2).tp_attributes == {"h.*.attn": ("embed_dim", "split_size", "num_heads")}
 
     class Stages:  # the split is derived only when a pipeline is asked for
         num_stages = 2

@@ -66,7 +66,28 @@ def _own_lora_llama(layers: int) -> LlamaForCausalLM:
     return model
 
 
-MODELS: Dict[str, Callable] = {
+class Registry(dict):
+    """A table test modules add their kinds to: a kind registered twice from different places (two test modules
+    sharing one long-lived worker) is refused, naming both; the same definition registered again (a module imported
+    again) replaces itself."""
+
+    @staticmethod
+    def _site(value: object) -> object:
+        code = getattr(value, "__code__", None)
+        return (code.co_filename, code.co_firstlineno) if code is not None else value
+
+    def __setitem__(self, key: str, value: object) -> None:
+        if key in self and self._site(self[key]) != self._site(value):
+            raise KeyError(f"test kind {key!r} is registered twice: {self._site(self[key])} and "
+                           f"{self._site(value)}; give one of them a name of its own.")
+        super().__setitem__(key, value)
+
+    def update(self, *args, **kwargs) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+
+MODELS: Dict[str, Callable] = Registry({
     "llama_own_lora_lm": _own_lora_llama,
     "opt_lm": lambda n=4: OPTForCausalLM(opt_config(n)),
     "gpt2_lm": lambda n=4: GPT2LMHeadModel(gpt2_config(n)),
@@ -82,7 +103,7 @@ MODELS: Dict[str, Callable] = {
     "bert": lambda n=4: BertModel(bert_config(n)),
     "bert_mlm": lambda n=4: BertForMaskedLM(bert_config(n)),
     "bert_cls": lambda n=4: BertForSequenceClassification(bert_config(n)),
-}
+})
 
 
 def packed_batch(batch_size: int, seed: int, length: int = SEQ) -> Dict[str, torch.Tensor]:
@@ -96,13 +117,13 @@ def packed_batch(batch_size: int, seed: int, length: int = SEQ) -> Dict[str, tor
 
 # kind -> (batch_size, seed) -> batch, for kinds whose inputs or labels the suffix rules below do not make
 # (registered by test modules beside their MODELS entries, e.g. question answering's start/end positions)
-BATCHES: Dict[str, Callable[[int, int], Dict[str, torch.Tensor]]] = {}
+BATCHES: Dict[str, Callable[[int, int], Dict[str, torch.Tensor]]] = Registry()
 # kind -> criterion(outputs, batch) of both the reference and the boosted model, for kinds whose loss is not the
 # model's `loss` alone (e.g. GPT-2's double heads: its LM loss plus its multiple-choice loss); default `criterion`
-CRITERIA: Dict[str, Callable[[Any, Dict[str, Any]], torch.Tensor]] = {}
+CRITERIA: Dict[str, Callable[[Any, Dict[str, Any]], torch.Tensor]] = Registry()
 # kind -> which of its batches' inputs index images, not samples (shardformer.multimodal_batch.image_rows: a
 # vision-language model's pixel values), for kinds whose batches carry them; slices of a batch go by `samples`
-RAGGED: Dict[str, Callable] = {}
+RAGGED: Dict[str, Callable] = Registry()
 
 
 def samples(kind: Optional[str], batch: Dict[str, Any], start: int, end: int) -> Dict[str, Any]:

@@ -27,7 +27,7 @@ mu.MODELS.update({
     "qwen3moe_packed_lm": mu.MODELS["qwen3moe_lm"],  # packed rows: no attention mask, documents by position ids
     "qwen3moe_noaux_lm": lambda n=4: transformers.Qwen3MoeForCausalLM(tiny_config(  # no router loss: nothing gathered
         transformers.Qwen3MoeConfig, num_hidden_layers=n, num_experts=4, num_experts_per_tok=2)),
-    "gemma2_lm": lambda n=4: transformers.Gemma2ForCausalLM(tiny_config(
+    "gemma2_softcap_lm": lambda n=4: transformers.Gemma2ForCausalLM(tiny_config(
         transformers.Gemma2Config, num_hidden_layers=n, attn_logit_softcapping=1.0)),  # eager, window 4 < 8 tokens
 })
 
@@ -52,7 +52,7 @@ def _two_ranks() -> None:
     mu.check_training("qwen3moe_noaux_lm", steps=1, sp_size=2, sequence_parallelism_mode="all_to_all", **SP)
     mu.check_training("qwen3moe_lm", steps=1, tp_size=2, sequence_parallelism_mode="all_to_all", **SP)  # over tp
     for mode in MODES:
-        mu.check_training("gemma2_lm", sp_size=2, sequence_parallelism_mode=mode, **SP)
+        mu.check_training("gemma2_softcap_lm", sp_size=2, sequence_parallelism_mode=mode, **SP)
 
 
 def test_moe_and_softcap_under_sequence_parallelism():

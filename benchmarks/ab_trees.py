@@ -34,7 +34,8 @@ def _run(tree: str, bench: str, extra: List[str]) -> Dict[str, float]:
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(tree, "benchmarks", "results", bench.replace(".py", ".json"))) as f:
         ratios = json.load(f)["ratios"]
-    return {k: v for k, v in ratios.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    found = {k: v for k, v in ratios.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {**found, "loadavg_1min_at_end": os.getloadavg()[0]}
 
 
 def main() -> None:

@@ -23,9 +23,11 @@ from .p2p import BACKWARD, FORWARD, PipelineP2PCommunication, Recv, Send
 from .split_backward import WeightGradStore, deferring
 from .stage_manager import PipelineStageManager
 
-__all__ = ["GradReducer", "LossWeights", "StepOptions", "StepRun"]
+__all__ = ["GradReducer", "LossWeights", "MicroBatch", "StepOptions", "StepRun"]
 
 Chunk = Callable[..., Any]  # one model chunk of this rank: `chunk(**micro_batch, **received)` -> its output
+# one microbatch: the keyword arguments of a chunk (a user model's: tensors split along dim 0, other values shared)
+MicroBatch = Dict[str, Any]
 Span = Callable[[str, int], ContextManager[None]]  # (kind, microbatch) -> a traced span (pipeline/trace.py)
 _Key = Tuple[int, int]  # (virtual stage, microbatch)
 

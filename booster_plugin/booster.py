@@ -106,7 +106,7 @@ class Booster:
                             f"optimizer, *_ = booster.boost(model, optimizer)`, then use the optimizer boost returned.")
         self.plugin.backward(loss, optimizer)
 
-    def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion: Callable, optimizer=None,
+    def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion: Optional[Callable], optimizer=None,
                          return_loss: bool = True, return_outputs: bool = False) -> PipelineResult:
         """One step over microbatches; {"loss", "outputs"}. Forwards and backwards; forwards only (evaluation) under
         torch.no_grad() or with the model in eval mode and no optimizer. `criterion(outputs, micro_batch)` returns

@@ -88,9 +88,9 @@ class Plugin(ABC):
         """`booster.backward(loss, optimizer)`: the boosted optimizer's backward (it scales an fp16 loss)."""
         optimizer.backward(loss)
 
-    def execute_pipeline(self, data_iter: Iterator[Mapping[str, object]], model: nn.Module, criterion: Callable,
-                         optimizer: Optional[OptimizerWrapper] = None, return_loss: bool = True,
-                         return_outputs: bool = False) -> PipelineResult:
+    def execute_pipeline(self, data_iter: Iterator[Mapping[str, object]], model: nn.Module,
+                         criterion: Optional[Callable], optimizer: Optional[OptimizerWrapper] = None,
+                         return_loss: bool = True, return_outputs: bool = False) -> PipelineResult:
         raise NotImplementedError(f"{type(self).__name__} has no pipeline: execute_pipeline needs "
                                   f"HybridParallelPlugin(pp_size > 1 or num_microbatches=...). Call "
                                   f"loss = criterion(model(**batch), batch); booster.backward(loss, optimizer).")

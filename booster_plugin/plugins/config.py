@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, SupportsFloat, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, SupportsFloat, Union
 
 import torch.distributed as dist
 
@@ -96,8 +96,9 @@ class PipelineConfig:
     @classmethod
     def build(cls, pp_size: int, num_microbatches: Optional[int], microbatch_size: Optional[int], pp_style: str,
               num_model_chunks: int, num_layers_per_stage: Union[Sequence[int], str, None], p2p_transport: str,
-              enable_metadata_cache: bool, pp_schedule_costs: str, scheduler_nodes: Optional[Sequence[Sequence[ScheduleNode]]],
-              trace: Optional[bool], loss_weight_fn: Optional[Callable[[MicroBatch], SupportsFloat]]) -> "PipelineConfig":
+              enable_metadata_cache: bool, pp_schedule_costs: str,
+              scheduler_nodes: Optional[Sequence[Sequence[ScheduleNode]]], trace: Optional[bool],
+              loss_weight_fn: Optional[Callable[[MicroBatch], SupportsFloat]]) -> "PipelineConfig":
         if num_microbatches is not None:
             check_int("num_microbatches", num_microbatches, 1)
         if microbatch_size is not None:
@@ -201,7 +202,7 @@ class PluginConfig:
     check_batches: bool
 
     @classmethod
-    def from_arguments(cls, args: Dict[str, Any], colossalai_kwargs: Dict[str, Any]) -> "PluginConfig":
+    def from_arguments(cls, args: Dict[str, Any], colossalai_kwargs: Mapping[str, object]) -> "PluginConfig":
         """HybridParallelPlugin's arguments (by name) -> the validated configuration; raises on bad input."""
         a = dict(args)
         tp_size, pp_size = alias("tp", a.pop("tp"), "tp_size", a["tp_size"]), alias("pp", a.pop("pp"), "pp_size",

@@ -288,7 +288,7 @@ class HybridParallelPlugin(HybridPluginBase):
         return module, optimizer, criterion, dataloader, lr_scheduler
 
     def execute_pipeline(self, data_iter: Iterator[Mapping[str, object]], model: HybridParallelModule,
-                         criterion: Callable, optimizer: Optional[HybridParallelOptimizer] = None,
+                         criterion: Optional[Callable], optimizer: Optional[HybridParallelOptimizer] = None,
                          return_loss: bool = True, return_outputs: bool = False) -> PipelineResult:
         """One step over microbatches (see Booster.execute_pipeline): forwards and backwards, or forwards only under
         torch.no_grad() or with the model in eval mode and no optimizer (evaluation)."""

@@ -30,7 +30,8 @@ class HybridPluginBase(DPPluginBase):
         optimizer.backward(loss)
 
     @contextlib.contextmanager
-    def no_sync(self, model: Optional[nn.Module] = None, optimizer: Optional[OptimizerWrapper] = None) -> Iterator[None]:
+    def no_sync(self, model: Optional[nn.Module] = None,
+                optimizer: Optional[OptimizerWrapper] = None) -> Iterator[None]:
         """Backward passes inside accumulate locally; the data-parallel reduction starts in the first backward
         outside (or at optimizer.step()). The boosted module skips it while `require_grad_sync` is False."""
         previous = getattr(model, "require_grad_sync", None)

@@ -80,6 +80,7 @@ class TorchDDPPlugin(DPPluginBase):
     def get_checkpoint_io(self) -> TorchDDPCheckpointIO:
         return TorchDDPCheckpointIO(ddp_context(self.device, DEFAULT_TIMEOUT_S))
 
-    def no_sync(self, model: Optional[nn.Module] = None, optimizer: Optional[OptimizerWrapper] = None) -> ContextManager[None]:
+    def no_sync(self, model: Optional[nn.Module] = None,
+                optimizer: Optional[OptimizerWrapper] = None) -> ContextManager[None]:
         """DistributedDataParallel's no_sync: gradients accumulate locally until the first backward outside."""
         return ddp_module(model).no_sync()

@@ -108,9 +108,9 @@ class Replay:
                                f"had {node.nbytes}")
         return storage
 
-    def run(self, call: Call, writing: Optional[Node]) -> Any:
+    def run(self, call: Call, writing: Optional[Node]) -> object:
         """Run `call` again on real tensors. Other nodes it writes into get copies (their own tapes have the call)."""
-        def real(x: Any) -> Any:
+        def real(x: object) -> object:
             if isinstance(x, Ref):
                 storage = self.storage(x.node, x.version)
                 if x.node is not writing and any(w is x for w in call.writes):

@@ -172,7 +172,7 @@ class ChunkView(NamedTuple):
                                          # the first virtual stage)
     modules: Dict[str, nn.Module]        # model-relative path -> module to put there for this chunk
     exit_layer: Optional[nn.Module]      # ends the forward (None on the last virtual stage)
-    config: Any                          # the base model's config for this chunk (None: unchanged)
+    config: object                       # the base model's config for this chunk (None: unchanged)
 
 
 class StageForward:

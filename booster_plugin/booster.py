@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
@@ -10,7 +10,7 @@ from torch import nn
 from .core.lora import enable_lora
 from .core.parallel_module import HybridParallelModule
 from .plugins.hybrid import HybridParallelPlugin
-from .plugins.base import BoosterCheckpointIO, Plugin
+from .plugins.base import BoosterCheckpointIO, PipelineResult, Plugin
 from .core.torch_amp import apply_torch_amp, torch_amp
 
 
@@ -106,8 +106,8 @@ class Booster:
                             f"optimizer, *_ = booster.boost(model, optimizer)`, then use the optimizer boost returned.")
         self.plugin.backward(loss, optimizer)
 
-    def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion: Callable, optimizer=None,
-                         return_loss: bool = True, return_outputs: bool = False) -> Dict[str, Any]:
+    def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion: Optional[Callable], optimizer=None,
+                         return_loss: bool = True, return_outputs: bool = False) -> PipelineResult:
         """One step over microbatches; {"loss", "outputs"}. Forwards and backwards; forwards only (evaluation) under
         torch.no_grad() or with the model in eval mode and no optimizer. `criterion(outputs, micro_batch)` returns
         the microbatch's scalar loss (needed to train)."""

@@ -30,7 +30,7 @@ from .stage_manager import PipelineStageManager
 FORWARD, BACKWARD = "fwd", "bwd"
 
 
-def flatten(obj: Any) -> Tuple[Dict[str, Any], List[torch.Tensor]]:
+def flatten(obj: object) -> Tuple[Dict[str, Any], List[torch.Tensor]]:
     """Split a nested structure into a JSON-able tree (its pytree spec, and its leaves with each tensor replaced by
     {"__t__": i}) and the tensors."""
     leaves, spec = tree_flatten(obj)
@@ -62,7 +62,7 @@ class Send(NamedTuple):
     """One send of `exchange` (a plain (peer, direction, obj) tuple is channel 0)."""
     peer: int
     direction: str  # FORWARD or BACKWARD
-    obj: Any        # nested structure of tensors
+    obj: object     # nested structure of tensors
     channel: int = 0
 
 
@@ -102,26 +102,26 @@ class PipelineP2PCommunication:
                 group = mesh.get_group_along_axis(axis, indices=(a, a + 1))
                 if group is not None:
                     self._pair_groups[(stage_manager.stage_ranks[a], stage_manager.stage_ranks[a + 1])] = group
-        self._pending_sends: List[Any] = []
+        self._pending_sends: List[Tuple[dist.Work, torch.Tensor]] = []  # (send, its tensor, kept until then)
 
     # -- public API -------------------------------------------------------------------------------------
-    def send_forward(self, obj: Any) -> None:
+    def send_forward(self, obj: object) -> None:
         self.exchange(sends=[(self.stage_manager.next_rank, FORWARD, obj)], recvs=[])
 
     def recv_forward(self) -> Any:
         return self.exchange(sends=[], recvs=[(self.stage_manager.prev_rank, FORWARD)])[0]
 
-    def send_backward(self, obj: Any) -> None:
+    def send_backward(self, obj: object) -> None:
         self.exchange(sends=[(self.stage_manager.prev_rank, BACKWARD, obj)], recvs=[])
 
     def recv_backward(self) -> Any:
         return self.exchange(sends=[], recvs=[(self.stage_manager.next_rank, BACKWARD)])[0]
 
-    def send_forward_recv_backward(self, obj: Any) -> Any:
+    def send_forward_recv_backward(self, obj: object) -> Any:
         peer = self.stage_manager.next_rank
         return self.exchange(sends=[(peer, FORWARD, obj)], recvs=[(peer, BACKWARD)])[0]
 
-    def send_backward_recv_forward(self, obj: Any) -> Any:
+    def send_backward_recv_forward(self, obj: object) -> Any:
         peer = self.stage_manager.prev_rank
         return self.exchange(sends=[(peer, BACKWARD, obj)], recvs=[(peer, FORWARD)])[0]
 

@@ -8,7 +8,7 @@ microbatches (or the given `LossWeights`) is the step's loss, broadcast to every
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Sequence
+from typing import Callable, ContextManager, Dict, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from .refine import agree_on_refined
 from .schedules import forward_only
 from .simulator import simulate
 from .stage_manager import PipelineStageManager
-from .step import Chunk, StepOptions, StepRun
+from .step import Chunk, MicroBatch, StepOptions, StepRun
 from .styles import ScheduleStyle
 from .trace import ScheduleTracer
 
@@ -38,7 +38,7 @@ class Plan(NamedTuple):
 
 class StepResult(NamedTuple):
     loss: Optional[torch.Tensor]  # the step's loss on every stage (with return_loss and a criterion), else None
-    outputs: Any                  # the last stage's outputs merged over microbatches (with return_outputs)
+    outputs: object               # the last stage's outputs merged over microbatches (with return_outputs)
 
 
 class PipelineSchedule:
@@ -91,7 +91,7 @@ class PipelineSchedule:
     def _span(self, kind: str, microbatch: int) -> ContextManager[None]:
         return _NO_SPAN if self.tracer is None else self.tracer.span(kind, microbatch)
 
-    def forward_backward_step(self, chunks: Sequence[Chunk], microbatches: Sequence[Dict[str, Any]],
+    def forward_backward_step(self, chunks: Sequence[Chunk], microbatches: Sequence[MicroBatch],
                               criterion: Optional[Callable], options: StepOptions) -> StepResult:
         """One step: forwards and (with grad enabled) backwards of every microbatch.
 

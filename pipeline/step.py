@@ -23,9 +23,11 @@ from .p2p import BACKWARD, FORWARD, PipelineP2PCommunication, Recv, Send
 from .split_backward import WeightGradStore, deferring
 from .stage_manager import PipelineStageManager
 
-__all__ = ["GradReducer", "LossWeights", "StepOptions", "StepRun"]
+__all__ = ["GradReducer", "LossWeights", "MicroBatch", "StepOptions", "StepRun"]
 
 Chunk = Callable[..., Any]  # one model chunk of this rank: `chunk(**micro_batch, **received)` -> its output
+# one microbatch: the keyword arguments of a chunk (a user model's: tensors split along dim 0, other values shared)
+MicroBatch = Dict[str, Any]
 Span = Callable[[str, int], ContextManager[None]]  # (kind, microbatch) -> a traced span (pipeline/trace.py)
 _Key = Tuple[int, int]  # (virtual stage, microbatch)
 
@@ -67,7 +69,7 @@ class StepOptions(NamedTuple):
 class StepRun:
     """One step on this rank: what it keeps between actions, keyed by (virtual stage, microbatch)."""
 
-    def __init__(self, chunks: Sequence[Chunk], microbatches: Sequence[Dict[str, Any]], criterion: Optional[Callable],
+    def __init__(self, chunks: Sequence[Chunk], microbatches: Sequence[MicroBatch], criterion: Optional[Callable],
                  options: StepOptions, stage_manager: PipelineStageManager, p2p: PipelineP2PCommunication,
                  span: Span) -> None:
         self.chunks, self.microbatches, self.criterion, self.options = chunks, microbatches, criterion, options
@@ -75,10 +77,10 @@ class StepRun:
         m = len(microbatches)
         self.weights = options.loss_weights or LossWeights([1.0 / m] * m, [1.0 / m] * m)
         self.loss = torch.zeros((), device=p2p.device)
-        self.outputs: Dict[int, Any] = {}
+        self.outputs: Dict[int, object] = {}
         self.fwd_in: Dict[_Key, Any] = {}   # inputs of forwards (received or handed over)
-        self.bwd_in: Dict[_Key, Any] = {}   # gradients of outputs (received or handed over)
-        self.outbox: Dict[Action, Any] = {}  # results waiting for their SEND action
+        self.bwd_in: Dict[_Key, object] = {}  # gradients of outputs (received or handed over)
+        self.outbox: Dict[Action, object] = {}  # results waiting for their SEND action
         self.saved: Dict[_Key, Tuple[Any, Any]] = {}  # (input, output) until the backward is done
         self.split: frozenset = frozenset()  # this rank's W actions: their forwards' backward is split into I and W
         self.weight_work: Dict[_Key, WeightGradStore] = {}  # what each such W will compute
@@ -131,7 +133,7 @@ class StepRun:
             (self.fwd_in if a.kind == RECV_F else self.bwd_in)[(a.stage, a.microbatch)] = obj
         return []
 
-    def _pass_on(self, stage: int, microbatch: int, obj: Any, forward: bool) -> None:
+    def _pass_on(self, stage: int, microbatch: int, obj: object, forward: bool) -> None:
         """Give a result to the neighbouring virtual stage: locally when this rank holds it, else to its SEND."""
         target = stage + 1 if forward else stage - 1
         if self.layout.rank_of(target) == self.layout.rank_of(stage):
@@ -178,7 +180,7 @@ class StepRun:
         if not last:
             self._pass_on(stage, i, output, forward=True)
 
-    def _loss(self, output: Any, i: int) -> Optional[Tensor]:
+    def _loss(self, output: object, i: int) -> Optional[Tensor]:
         """The last virtual stage: microbatch i's (scaled) loss, its outputs kept if asked for."""
         micro_batch = self.microbatches[i]
         if self.options.return_outputs:
@@ -206,7 +208,7 @@ class StepRun:
             self._pass_on(stage, i, input_grads(input_obj), forward=False)
 
 
-def _not_a_loss(value: Any) -> TypeError:
+def _not_a_loss(value: object) -> TypeError:
     """The error for a criterion that returned something other than a scalar tensor."""
     what = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)[:80]
     hint = " (a model's own `outputs.loss` is None when the batch has no labels)" if value is None else \

@@ -21,7 +21,7 @@ under `ChunkedLoss.full_logits()`) get the full logits and the loss the model ha
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -47,7 +47,7 @@ class _HeadCall(NamedTuple):
     probe: Tensor
 
 
-def _without_logits(output: Any) -> Any:
+def _without_logits(output: object) -> object:
     """The model's output with `logits` None (a ModelOutput rebuilt without them; a tuple keeps its positions)."""
     if isinstance(output, dict) and "logits" in output:
         return type(output)(**{k: v for k, v in output.items() if k != "logits"})
@@ -86,7 +86,7 @@ class ChunkedLoss:
         self.active = self.enabled and model.training and labels_argument(model, args, kwargs) is not None
         self.call = None
 
-    def _end(self, model: nn.Module, args: tuple, output: Any) -> Any:
+    def _end(self, model: nn.Module, args: tuple, output: object) -> object:
         called, self.call, self.active = self.call, None, False
         return _without_logits(output) if called is not None and output is not None else None
 
@@ -101,7 +101,7 @@ class ChunkedLoss:
         self.call = _HeadCall(hidden, head.weight, head.bias, probe)
         return (hidden[..., :0, :], *args[1:])  # no tokens: the head computes nothing
 
-    def _leave(self, head: nn.Module, args: tuple, output: Any) -> Optional[Tensor]:
+    def _leave(self, head: nn.Module, args: tuple, output: object) -> Optional[Tensor]:
         return self.call.probe if self.active and self.call is not None else None
 
     def transform(self, received: Tensor, probe: Tensor) -> LogitTransform:
@@ -121,7 +121,7 @@ class ChunkedLoss:
             f"chunked_loss=False to the plugin (ShardConfig) to compute the loss on the full logits.")
 
     def loss(self, received: Tensor, labels: Tensor, vocab_size: int, ignore_index: int,
-             num_items_in_batch: Any, shift_labels: Optional[Tensor]) -> Tensor:
+             num_items_in_batch: Tensor | int | None, shift_labels: Optional[Tensor]) -> Tensor:
         """The causal-LM loss of the recorded head call (one process's, also with the tokens split over sp)."""
         call = self.call
         transform = self.transform(received, call.probe)
@@ -149,10 +149,10 @@ class _ChunkedLossFunction:
     """`model.loss_function`: the chunked loss on the probe of this forward's head call, the model's loss function
     before (`own`) otherwise."""
 
-    def __init__(self, own: Any, state: ChunkedLoss) -> None:
+    def __init__(self, own: Callable[..., Tensor], state: ChunkedLoss) -> None:
         self.own, self.state = own, state
 
-    def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Any = None,
+    def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Tensor | int | None = None,
                  ignore_index: int = -100, shift_labels: Optional[Tensor] = None, **kwargs) -> Tensor:
         if not self.state.active or self.state.call is None:
             return self.own(logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,

@@ -44,7 +44,7 @@ class _SeeView:
         _SAVED.setdefault(module, []).append(module.config)
         module.config = self.view
 
-    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def leave(self, module: nn.Module, args: tuple, output: object) -> None:
         saved = _SAVED.get(module)
         if saved:
             module.config = saved.pop()

@@ -16,6 +16,8 @@ from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
+from pipeline.step import MicroBatch
+
 __all__ = ["FAMILIES", "ImageInputs", "RaggedRows", "image_rows", "take_samples"]
 
 # batch -> {key: rows(start, end)} for the keys whose dim 0 does not count samples (None: none for those samples)
@@ -106,12 +108,11 @@ def _slicer(value: torch.Tensor, first: torch.Tensor, row_ends: Optional[torch.T
     return rows
 
 
-def take_samples(batch: Mapping[str, Any], start: int, end: int, ragged: Optional[RaggedRows] = None
-                 ) -> Dict[str, Any]:
+def take_samples(batch: Mapping[str, Any], start: int, end: int, ragged: Optional[RaggedRows] = None) -> MicroBatch:
     """Samples [start, end) of a batch: tensors indexing samples sliced along dim 0, ragged keys by their rows (left
     out where those samples have none), anything else as is."""
     special = ragged(batch) if ragged is not None else {}
-    out: Dict[str, Any] = {}
+    out: MicroBatch = {}
     for key, value in batch.items():
         if key in special:
             value = special[key](start, end)

@@ -238,7 +238,7 @@ def file_checksums(path: str) -> Dict[str, str]:
         f.close()
 
 
-def write_json(path: str, obj: Any) -> None:
+def write_json(path: str, obj: object) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=False, allow_nan=True)
         f.write("\n")
@@ -256,7 +256,7 @@ def read_json(path: str, what: str) -> Any:
         raise ValueError(f"{path} is corrupted ({exc})") from None
 
 
-def to_json(value: Any, what: str) -> Any:
+def to_json(value: object, what: str) -> Any:
     """Plain JSON for numbers / strings / lists / dicts; tuples and 0-d tensors tagged so they come back exact."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value

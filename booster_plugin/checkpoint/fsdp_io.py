@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from ..core.mixed_precision import DynamicLossScaler
 from ..core.optimizer_wrapper import OptimizerWrapper
 from ..fsdp.model import fsdp_module, hf_class_name
 from ..fsdp.state import full_model_state, full_optimizer_state, load_full_optimizer_state
@@ -179,7 +180,7 @@ def _commit_model(module: nn.Module, state: Dict[str, torch.Tensor], layout: _Mo
 
 # -- optimizer files -----------------------------------------------------------------------------------------------
 def _optimizer_files(state: Dict[str, Any], optimizer: str,
-                     scaler: Any) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+                     scaler: Optional[DynamicLossScaler]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """(tensors keyed `<parameter name>/<state key>`, the JSON) of a full optimizer state dict."""
     tensors: Dict[str, torch.Tensor] = {}
     values: Dict[str, Dict[str, Any]] = {}
@@ -204,7 +205,7 @@ def _commit_optimizer(tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], tm
 
 
 def _read_optimizer(optim: torch.optim.Optimizer, module: nn.Module, checkpoint: str,
-                    reads: TensorReads) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+                    reads: TensorReads) -> Tuple[Dict[str, Any], Optional[Dict[str, float]]]:
     """(the full optimizer state dict saved at `checkpoint`, the loss scaler's state), checked against `optim`."""
     directory = resolve_dir(checkpoint)
     meta = read_json(os.path.join(directory, OPTIMIZER_JSON), "optimizer checkpoint")

@@ -6,7 +6,7 @@ groups). Here: what both see of a boosted optimizer, and the file names.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Set
+from typing import Dict, List, NamedTuple, Optional, Set
 
 import torch
 
@@ -34,7 +34,7 @@ def optimizer_parts(optimizer) -> OptimizerParts:
     return OptimizerParts(optimizer.model, optimizer.optim, names, master_ids)
 
 
-def spec_json(spec: Optional[TPSpec]) -> Optional[List[Any]]:
+def spec_json(spec: Optional[TPSpec]) -> Optional[List[Optional[int]]]:
     return None if spec is None else [spec.dim, spec.n_fused, spec.full_size, spec.padded]
 
 

@@ -30,7 +30,7 @@ class Loaded(NamedTuple):
     state: Dict[nn.Parameter, Dict[str, Any]]      # new state of each parameter this rank steps
     hyper: List[Optional[Dict[str, Any]]]          # new hyperparameters of each param group (None: keep)
     warning: Optional[str]                         # strict=False: what was skipped
-    loss_scaler: Optional[Dict[str, Any]] = None   # fp16: the saved loss scaler's state
+    loss_scaler: Optional[Dict[str, float]] = None  # fp16: the saved loss scaler's state
     members: Tuple[GroupMember, ...] = ()          # for agree_on_groups: each param group's saved hyperparameters
 
 

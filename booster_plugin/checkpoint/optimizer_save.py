@@ -76,7 +76,8 @@ def _snapshot(parts: OptimizerParts, header: Dict[str, Any], copy: bool,
     first). Expert parameters' tensors are gathered over `ep_group` (collective), so the files hold every expert."""
     module, optim, names, master_ids = parts
     experts = module.info.expert_params
-    entries, tensors, groups, scalars, info = [], [], [], {}, {}
+    entries, tensors, groups, scalars = [], [], [], {}
+    info: Dict[str, Dict[str, Any]] = {}  # the JSON of each parameter
     for gi, group in enumerate(optim.param_groups):
         group_names = []
         for p in group["params"]:
@@ -106,7 +107,7 @@ def _snapshot(parts: OptimizerParts, header: Dict[str, Any], copy: bool,
     return Snapshot(entries, tensors, {**header, "param_groups": groups, "scalars": scalars, "params": info})
 
 
-def _commit(ctx: CheckpointContext, parts: OptimizerParts, names: FileNames, scaler_state: Optional[Dict[str, Any]],
+def _commit(ctx: CheckpointContext, parts: OptimizerParts, names: FileNames, scaler_state: Optional[Dict[str, float]],
             checkpoint: str, tmp: str) -> None:
     """Rank 0, once every file is written: the index (layout, files, checksums, loss scaler), then the swap."""
     files = [names.base.format(s, t) for s in range(ctx.num_stages) for t in range(ctx.tp_size)]

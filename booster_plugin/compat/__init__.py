@@ -24,7 +24,7 @@ import functools
 import os
 import random
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from .v_schedule import PipelineGraph, ScheduledNode
 
 __all__ = ["DistCoordinator", "HybridAdam", "LazyInitContext", "PipelineGraph", "ScheduledNode", "get_accelerator",
            "launch_from_torch", "set_seed"]
+
+_P = ParamSpec("_P")  # a decorated function's parameters, and its result
+_R = TypeVar("_R")
 
 
 def set_seed(seed: int) -> None:
@@ -127,11 +130,12 @@ class DistCoordinator:
         if first:
             self.block_all(process_group)
 
-    def on_master_only(self, process_group: Optional[dist.ProcessGroup] = None) -> Callable:
+    def on_master_only(self, process_group: Optional[dist.ProcessGroup] = None
+                       ) -> Callable[[Callable[_P, _R]], Callable[_P, Optional[_R]]]:
         """Decorator: the function runs on the group's rank 0 only (elsewhere it returns None)."""
-        def decorator(fn: Callable) -> Callable:
+        def decorator(fn: Callable[_P, _R]) -> Callable[_P, Optional[_R]]:
             @functools.wraps(fn)
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
+            def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> Optional[_R]:
                 return fn(*args, **kwargs) if self.is_master(process_group) else None
             return wrapper
         return decorator

@@ -17,6 +17,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple, Union
 import psutil
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..guards.launch import default_device
 
@@ -116,7 +117,7 @@ class Accelerator:
     def device_count(self) -> int:
         return 1 if self._cpu() else self._mod.device_count()
 
-    def set_to_device(self, models: Any) -> Any:
+    def set_to_device(self, models: Union[nn.Module, List[nn.Module]]) -> Union[nn.Module, List[nn.Module]]:
         """Move a module (or a list of modules) to this rank's device."""
         device = self.get_current_device()
         if isinstance(models, list):

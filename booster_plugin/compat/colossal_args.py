@@ -9,7 +9,7 @@ silently. The arguments the plugin implements are in its signature; the README's
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Dict, Mapping, NamedTuple, Optional
 
 import torch.distributed as dist
 
@@ -19,7 +19,7 @@ __all__ = ["Unacted", "UNACTED_ARGS", "check_unacted_args"]
 class Unacted(NamedTuple):
     """An accepted argument we do not act on. `changes_results`: a non-default value is refused. `effect`: what it
     would do (the warning / error text); empty when our behaviour already equals every value."""
-    default: Any
+    default: object
     changes_results: bool
     effect: str
 
@@ -45,7 +45,7 @@ UNACTED_ARGS: Dict[str, Unacted] = {
 }
 
 
-def check_unacted_args(kwargs: Dict[str, Any], rank: Optional[int] = None) -> None:
+def check_unacted_args(kwargs: Mapping[str, object], rank: Optional[int] = None) -> None:
     """Refuse unknown names and result-changing requests (on every rank, before any collective); warn once on rank 0
     about ignored speed options."""
     unknown = sorted(k for k in kwargs if k not in UNACTED_ARGS)
@@ -65,5 +65,5 @@ def check_unacted_args(kwargs: Dict[str, Any], rank: Optional[int] = None) -> No
                       "results are unaffected: " + "; ".join(notes) + ".", stacklevel=3)
 
 
-def _same(value: Any, default: Any) -> bool:
+def _same(value: object, default: object) -> bool:
     return value is default or (value is not None and default is not None and value == default)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Optional
+from typing import Dict, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ FSDP1_UNACTED: Dict[str, Unacted] = {
 }
 
 
-def warn_unacted(plugin: str, table: Dict[str, Unacted], values: Dict[str, Any]) -> None:
+def warn_unacted(plugin: str, table: Dict[str, Unacted], values: Mapping[str, object]) -> None:
     """Rank 0 warns once about the speed-only options set to something we do not do (results are unaffected)."""
     notes = []
     for name, value in values.items():
@@ -101,7 +101,7 @@ def fsdp1_mp_policy(mixed_precision: Optional[MixedPrecision]) -> MixedPrecision
                                 cast_forward_inputs=True)
 
 
-def refuse_fsdp1_options(ignored_modules: Optional[Iterable[torch.nn.Module]], param_init_fn: Any,
+def refuse_fsdp1_options(ignored_modules: Optional[Iterable[torch.nn.Module]], param_init_fn: object,
                          cpu_offload: Optional[CPUOffload]) -> None:
     """FSDP1 options whose FSDP2 counterpart would train differently."""
     if ignored_modules:

@@ -25,9 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline import ProcessGroupMesh
+from pipeline.step import MicroBatch
+from shardformer.tensor.styles import ParallelStyle
 from shardformer.policies.from_paddle import PaddlePlanPolicy, resolve_plan, resolve_split
 
 from ..booster import Booster
+from ..core.optimizer import HybridParallelOptimizer
 from ..guards.launch import ensure_distributed
 from ..plugins.hybrid import HybridParallelPlugin
 
@@ -75,7 +78,7 @@ class ParallelizedModel(nn.Module):
         return self.boosted.unwrap()
 
 
-def _own_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+def _own_loss(outputs: Any, batch: MicroBatch) -> torch.Tensor:
     if getattr(outputs, "loss", None) is None:
         raise ValueError("parallelize() with a pipeline trains with the model's own loss: give it `labels`.")
     return outputs.loss
@@ -109,7 +112,8 @@ def _check_config(config: Mapping[str, Any]) -> None:
             raise ValueError(f"config[{key!r}] does not support {sorted(unknown)}; use {sorted(_CONFIG_KEYS[key])}.")
 
 
-def _refuse_undivided_heads(model: nn.Module, policy: PaddlePlanPolicy, styles: Mapping[str, Any], tp: int) -> None:
+def _refuse_undivided_heads(model: nn.Module, policy: PaddlePlanPolicy, styles: Mapping[str, ParallelStyle],
+                            tp: int) -> None:
     """Without a built-in policy nothing says which attention attributes count heads: ask rather than guess."""
     if tp == 1 or policy.known is not None or policy.tp_attributes:
         return
@@ -123,7 +127,8 @@ def _refuse_undivided_heads(model: nn.Module, policy: PaddlePlanPolicy, styles: 
 
 def parallelize(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                 mesh: Union[None, ProcessGroupMesh, Mapping[str, int]] = None,
-                config: Optional[Mapping[str, Any]] = None) -> Tuple[ParallelizedModel, Any]:
+                config: Optional[Mapping[str, Any]] = None
+                ) -> Tuple[ParallelizedModel, Optional[HybridParallelOptimizer]]:
     """Parallelize a model (and its optimizer) as Paddle's `dist.parallelize` does.
 
     Args:
@@ -165,7 +170,7 @@ def parallelize(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     if dp != plugin.dp_size:
         raise ValueError(f"mesh dp={dp} but the world leaves dp={plugin.dp_size}.")
     booster = Booster(plugin=plugin)
-    boosted, optimizer, *_ = booster.boost(model, optimizer)
+    boosted, boosted_optimizer, *_ = booster.boost(model, optimizer)
     parallel = ParallelizedModel(boosted, booster)
-    parallel.optimizer = optimizer
-    return parallel, optimizer
+    parallel.optimizer = boosted_optimizer
+    return parallel, boosted_optimizer

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Protocol, Sequence
 
 from pipeline.actions import COMPUTE, B, F, I, W, Action, Schedule, add_communication
 from pipeline.layout import StageLayout
@@ -21,9 +21,22 @@ from pipeline.refine import refine
 from pipeline.schedules import zero_bubble_v
 from pipeline.simulator import ScheduleError, simulate
 
-__all__ = ["PipelineGraph", "ScheduledNode", "fingerprint", "nodes_to_schedule"]
+__all__ = ["PipelineGraph", "ScheduleNode", "ScheduledNode", "fingerprint", "nodes_to_schedule"]
 
 _KIND = {"F": F, "B": I, "W": W}  # ColossalAI's B is the backward for the inputs (our I)
+
+
+class ScheduleNode(Protocol):
+    """What `nodes_to_schedule` reads of a node: ColossalAI's own `ScheduledNode`s or ours."""
+
+    @property
+    def type(self) -> str: ...
+    @property
+    def chunk(self) -> int: ...
+    @property
+    def stage(self) -> int: ...
+    @property
+    def minibatch(self) -> int: ...
 
 
 @dataclass(eq=True, frozen=True)
@@ -38,7 +51,7 @@ class ScheduledNode:
     rollback: bool = False
 
 
-def nodes_to_schedule(nodes: Sequence[Sequence[Any]], layout: StageLayout) -> Schedule:
+def nodes_to_schedule(nodes: Sequence[Sequence[ScheduleNode]], layout: StageLayout) -> Schedule:
     """The schedule of ColossalAI-style zbv nodes (raises ValueError naming what is wrong).
 
     Args:
@@ -71,7 +84,7 @@ def nodes_to_schedule(nodes: Sequence[Sequence[Any]], layout: StageLayout) -> Sc
     return unbounded._replace(max_activations=list(peak))
 
 
-def schedule_from_nodes(nodes: Optional[Sequence[Sequence[Any]]], pp_style: str, layout: StageLayout,
+def schedule_from_nodes(nodes: Optional[Sequence[Sequence[ScheduleNode]]], pp_style: str, layout: StageLayout,
                         num_microbatches: Optional[int], rank: int) -> Optional[Schedule]:
     """The plugin's `scheduler_nodes`: None when unset; ignored with a warning (as ColossalAI does) when pp_style is
     not "zbv"; else the checked schedule, whose number of microbatches must match `num_microbatches` if given."""

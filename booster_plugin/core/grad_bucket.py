@@ -2,7 +2,7 @@
 (all-reduce, or ZeRO-2's reduce-scatter) launched as soon as the group's last gradient is accumulated."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional
+from typing import Dict, Iterable, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,7 @@ class GradBucket:
         self.shard: Optional[torch.Tensor] = None  # ZeRO-2: this rank's slice of the averaged gradients
         self.used: List[bool] = [False] * len(params)
         self.ready: set = set()
-        self.work: List[Any] = []
+        self.work: List[dist.Work] = []
         # ZeRO-2, accumulation without no_sync: the averaged slice of this step's earlier reductions, added to the
         # next one's (as ColossalAI's ZeRO-2 adds each reduction into its partitioned gradient store)
         self.carried: Optional[torch.Tensor] = None

@@ -4,12 +4,12 @@ token-weighted loss (`loss_weight_fn`): each microbatch's loss scaled by its sha
 and a microbatch without any weighing 0."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional
+from typing import Callable, List, Mapping, NamedTuple, Optional, SupportsFloat
 
 import torch
 import torch.distributed as dist
 
-from pipeline.step import LossWeights
+from pipeline.step import LossWeights, MicroBatch
 from pipeline.styles import ScheduleStyle
 from shardformer.multimodal_batch import RaggedRows, take_samples
 
@@ -17,8 +17,8 @@ __all__ = ["MicrobatchSplit", "default_num_microbatches", "split_batch", "token_
            "without_empty_microbatches"]
 
 
-def split_batch(batch: Mapping[str, Any], num_microbatches: Optional[int], microbatch_size: Optional[int],
-                ragged: Optional[RaggedRows] = None) -> List[Dict[str, Any]]:
+def split_batch(batch: object, num_microbatches: Optional[int], microbatch_size: Optional[int],
+                ragged: Optional[RaggedRows] = None) -> List[MicroBatch]:
     """Split every tensor of a batch dict along dim 0; non-tensor values are given to every microbatch. `ragged`:
     the model's inputs whose dim 0 counts images or patches (shardformer/multimodal_batch.py), split with the
     samples they belong to."""
@@ -49,7 +49,7 @@ def split_batch(batch: Mapping[str, Any], num_microbatches: Optional[int], micro
     return [take_samples(batch, i * size, (i + 1) * size, ragged) for i in range(num_microbatches)]
 
 
-def default_num_microbatches(batch: Any, pp_size: int, style: ScheduleStyle, ragged: Optional[RaggedRows] = None
+def default_num_microbatches(batch: object, pp_size: int, style: ScheduleStyle, ragged: Optional[RaggedRows] = None
                              ) -> int:
     """Microbatches of a step when none were configured: the largest divisor of the batch size in [pp, 4 * pp]
     (1F1B needs at least pp; more shrinks the bubble (p-1)/(m+p-1), at the cost of smaller microbatches); a
@@ -77,7 +77,7 @@ class MicrobatchSplit(NamedTuple):
     style: ScheduleStyle
     pp_size: int
 
-    def split(self, batch: Any, ragged: Optional[RaggedRows] = None) -> List[Dict[str, Any]]:
+    def split(self, batch: object, ragged: Optional[RaggedRows] = None) -> List[MicroBatch]:
         """The microbatches of `batch` (raises TypeError or ValueError on a batch that does not split); `ragged`:
         as split_batch's."""
         count = self.num_microbatches
@@ -86,7 +86,7 @@ class MicrobatchSplit(NamedTuple):
         return split_batch(batch, count, self.microbatch_size, ragged)
 
 
-def without_empty_microbatches(criterion: Callable, count: Callable[[Dict[str, Any]], Any]) -> Callable:
+def without_empty_microbatches(criterion: Callable, count: Callable[[MicroBatch], SupportsFloat]) -> Callable:
     """With a token-weighted loss a microbatch without loss items weighs 0, as in one process on the whole batch:
     its (nan, 0/0) mean loss is replaced by 0, which also gives it zero gradients."""
 
@@ -97,14 +97,14 @@ def without_empty_microbatches(criterion: Callable, count: Callable[[Dict[str, A
     return weighted
 
 
-def token_weighted_scales(count: Callable[[Dict[str, Any]], Any], dp_group: Optional[dist.ProcessGroup],
-                          device: torch.device) -> Callable[[List[Dict[str, Any]]], LossWeights]:
+def token_weighted_scales(count: Callable[[MicroBatch], SupportsFloat], dp_group: Optional[dist.ProcessGroup],
+                          device: torch.device) -> Callable[[List[MicroBatch]], LossWeights]:
     """The step's loss weights: weigh each microbatch's (mean) loss by its share of the loss items (e.g. label
     tokens) of the whole global batch, so that the step equals one process on the global batch even with padding.
     `dp_group`: the data-parallel replicas (None: one replica); collective over it."""
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
 
-    def scales(microbatches: List[Dict[str, Any]]) -> LossWeights:
+    def scales(microbatches: List[MicroBatch]) -> LossWeights:
         counts = torch.tensor([float(count(mb)) for mb in microbatches], dtype=torch.float64)
         total = counts.sum().reshape(1).to(device)
         local = float(total.item())

@@ -14,7 +14,7 @@ An overflow at a scale above `min_scale` is the scaler's business (the step is s
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Dict, List
+from typing import Dict, List, Mapping
 
 import torch
 import torch.distributed as dist
@@ -90,10 +90,10 @@ class DynamicLossScaler:
                 self.hysteresis_step = 0
                 self.scale = min(self.scale * c.growth_factor, c.max_scale)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, float]:
         return {"scale": self.scale, "growth_step": self.growth_step, "hysteresis_step": self.hysteresis_step}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
         self.scale = float(state["scale"])
         self.growth_step = int(state["growth_step"])
         self.hysteresis_step = int(state["hysteresis_step"])

@@ -201,7 +201,7 @@ class HybridParallelOptimizer:
             warnings.warn(f"{what}; the step is skipped on every rank ({count} in a row; on_nonfinite='skip' raises "
                           f"at {limit}).", stacklevel=3)
 
-    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> Optional[float]:
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: object) -> Optional[float]:
         """The global gradient norm (whole model, each element once, before clipping) of the last step that clipped
         (max_norm > 0), as ColossalAI's; None before such a step."""
         return None if self._grad_norm is None else float(self._grad_norm)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABCMeta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ class OptimizerWrapper(metaclass=ABCMeta):
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         torch.autograd.backward(tensor, grad)
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
+    def step(self, *args: Any, **kwargs: Any) -> Optional[float]:
         return self.optim.step(*args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

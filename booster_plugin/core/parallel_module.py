@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ContextManager, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, FrozenSet, List, NamedTuple, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
     from ..guards.batch_check import BatchLimits
     from .lora import LoRAState
+
+Outputs = TypeVar("Outputs")  # a user model's outputs, passed through
 
 
 class SharedParam(NamedTuple):
@@ -222,7 +224,7 @@ class HybridParallelModule(nn.Module):
         return self.module if unwrap_peft or self.lora is None else self.lora.peft_model
 
     @torch.no_grad()
-    def full_outputs(self, outputs: Any, loss: Optional[torch.Tensor]) -> Any:
+    def full_outputs(self, outputs: Outputs, loss: Optional[torch.Tensor]) -> Outputs:
         """Merged pipeline outputs as one process returns them: vocab-parallel logits gathered over tp (padding
         stripped) whatever the train/eval mode, logits of this rank's tokens (sequence kept split through the head)
         over sp, and `loss` the step's loss instead of one per microbatch. Collective over tp and sp (the last

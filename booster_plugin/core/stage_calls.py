@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Iterator, List, Optional
 
 from torch import nn
 
 from pipeline import PipelineStageManager
+from pipeline.step import Chunk
 from shardformer.stage.forward import CHUNK_ARGUMENT
 
 __all__ = ["PipelineCallError", "chunk_calls", "refuse_calls_outside_schedule", "running_step"]
@@ -63,7 +64,7 @@ def refuse_calls_outside_schedule(modules: tuple[nn.Module, ...], stage_manager:
         module.register_forward_pre_hook(refuse)
 
 
-def chunk_calls(model: nn.Module, num_chunks: int) -> List[Callable[..., Any]]:
+def chunk_calls(model: nn.Module, num_chunks: int) -> List[Chunk]:
     """How the schedule calls each of this rank's `num_chunks` model chunks: the boosted `model` itself when it has
     one, else the model told which chunk to run (shardformer/stage/forward.py)."""
     if num_chunks == 1:

@@ -13,7 +13,7 @@ Parameters stay in their own dtype (fp32): autocast casts per operation. The plu
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -86,7 +86,7 @@ class AMPOptimizer(OptimizerWrapper):
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         torch.autograd.backward(tensor, self.scaler.scale(grad))
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
+    def step(self, *args: Any, **kwargs: Any) -> Optional[float]:
         out = self.scaler.step(self.optim, *args, **kwargs)
         self.scaler.update()
         return out
@@ -96,8 +96,8 @@ class AMPOptimizer(OptimizerWrapper):
         return super().clip_grad_by_norm(max_norm, norm_type)
 
 
-def apply_torch_amp(amp: TorchAMP, device: torch.device, model: nn.Module, optimizer: Optional[Any],
-                    criterion: Optional[Callable]):
+def apply_torch_amp(amp: TorchAMP, device: torch.device, model: nn.Module,
+                    optimizer: Union[None, torch.optim.Optimizer, OptimizerWrapper], criterion: Optional[Callable]):
     """(model, optimizer, criterion) of a plugin that does not control precision, under `amp`."""
     kind = device.type
     model = AMPModule(model, kind, amp.dtype)

@@ -250,5 +250,5 @@ class ZeroOptimizer(HybridParallelOptimizer):
         return state
 
 
-def _is_shard(value: Any, seg: Segment) -> bool:
+def _is_shard(value: object, seg: Segment) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == seg.numel

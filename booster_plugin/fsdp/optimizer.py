@@ -43,7 +43,7 @@ class FSDPOptimizerWrapper(OptimizerWrapper):
     def unwrap_model(self) -> nn.Module:
         return self.model
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
+    def step(self, *args: Any, **kwargs: Any) -> Optional[float]:
         with boosted_step(self.optim):  # (an optimizer stepping these parameters outside boost is refused)
             return self.optim.step(*args, **kwargs)
 
@@ -78,7 +78,7 @@ class GeminiOptimizer(FSDPOptimizerWrapper):
     def _grads(self) -> List[torch.Tensor]:
         return [p.grad for p in self.parameters if p.grad is not None]
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
+    def step(self, *args: Any, **kwargs: Any) -> Optional[float]:
         if self.scaler is not None:
             overflow = bool(self.scaler.unscale_and_check([_local(g) for g in self._grads()]))
             self.scaler.update(overflow)
@@ -97,11 +97,11 @@ class GeminiOptimizer(FSDPOptimizerWrapper):
         self.zero_grad()
         return result
 
-    def get_grad_norm(self, norm_type: float = 2, **kwargs: Any) -> Optional[float]:
+    def get_grad_norm(self, norm_type: float = 2, **kwargs: object) -> Optional[float]:
         """The global gradient norm of the last step that clipped (max_norm > 0), before clipping."""
         return self._grad_norm
 
-    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0, *args: Any, **kwargs: Any) -> None:
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0, *args: object, **kwargs: object) -> None:
         """As ColossalAI's GeminiOptimizer: clipping is the plugin's (`GeminiPlugin(max_norm=...)`); this call
         warns and does nothing."""
         if not self._warned_clip and dist.get_rank() == 0:
@@ -109,7 +109,7 @@ class GeminiOptimizer(FSDPOptimizerWrapper):
                           "itself, pass GeminiPlugin(max_norm=...).", stacklevel=2)
         self._warned_clip = True
 
-    def clip_grad_by_value(self, clip_value: float, *args: Any, **kwargs: Any) -> None:
+    def clip_grad_by_value(self, clip_value: float, *args: object, **kwargs: object) -> None:
         raise NotImplementedError("Gemini does not support clip_grad_by_value (as in ColossalAI).")
 
     def state_dict(self, only_rank_0: bool = True) -> Dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,7 @@ class _Description(NamedTuple):
     error: Optional[Exception] = None  # this rank's own reason for BAD_SPLIT
 
 
-def _first_outside(t: Any, bound: Optional[int], ignore: Optional[int] = None) -> Optional[int]:
+def _first_outside(t: object, bound: Optional[int], ignore: Optional[int] = None) -> Optional[int]:
     if bound is None or not isinstance(t, torch.Tensor) or t.is_floating_point() or t.numel() == 0:
         return None
     bad = (t < 0) | (t >= bound)
@@ -88,7 +88,7 @@ def _digest(t: torch.Tensor) -> int:
     return int((bits * weights).remainder_(_PRIME).sum())
 
 
-def _mask_mismatch(batch: Dict[str, Any]) -> Optional[List[int]]:
+def _mask_mismatch(batch: Mapping[str, object]) -> Optional[List[int]]:
     """[pair, token key, *mask shape, *tokens' (batch, sequence)] of the first 2-D mask that does not match its
     tokens; None if all match (or the batch carries a cache, which the mask also covers)."""
     if batch.get("past_key_values") is not None:
@@ -254,7 +254,7 @@ def batch_agreed() -> Iterator[None]:
         _AGREED.reset(token)
 
 
-def _whole(batch: Any) -> int:
+def _whole(batch: object) -> int:
     return 1
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -96,7 +96,7 @@ def agree_on_values(what: str, fix: str, values: Dict[str, int]) -> None:
             raise ValueError(f"{what} ({shown}); {fix}.")
 
 
-def check_int(name: str, value: Any, minimum: int) -> None:
+def check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Dict, Iterator
+from typing import Dict, Iterator, Tuple
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ def boosted_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         _stepping.discard(optimizer)
 
 
-def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _check_step(optimizer: torch.optim.Optimizer, args: Tuple[object, ...], kwargs: Dict[str, object]) -> None:
     if optimizer in _stepping or not _boosted:
         return
     if any(_is_boosted(p) for group in optimizer.param_groups for p in group["params"]):

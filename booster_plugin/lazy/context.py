@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from itertools import chain
-from typing import Any, ClassVar, Iterator, Optional
+from typing import Any, ClassVar, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -50,7 +50,8 @@ class LazyInitContext:
 
     _active: ClassVar[bool] = False
 
-    def __init__(self, tensor_cls: Any = None, default_device: Optional[Any] = None, *,
+    def __init__(self, tensor_cls: Optional[type] = None,
+                 default_device: Optional[Union[torch.device, str, int]] = None, *,
                  per_rank_init: bool = False) -> None:
         self.tensor_cls = tensor_cls
         self.default_device = torch.device(default_device) if default_device is not None else None
@@ -70,7 +71,7 @@ class LazyInitContext:
         LazyInitContext._active = True
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         LazyInitContext._active = False
         stack, self._stack = self._stack, None
         if stack is not None:

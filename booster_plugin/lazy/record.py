@@ -45,7 +45,7 @@ _INIT_NAMES = ("uniform_", "normal_", "constant_", "ones_", "zeros_", "eye_", "d
                "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "orthogonal_", "sparse_")
 
 
-def _is_meta(x: Any) -> bool:
+def _is_meta(x: object) -> bool:
     return isinstance(x, Tensor) and x.is_meta
 
 
@@ -119,7 +119,7 @@ class Recorder(TorchDispatchMode):
                 self.nodes[_key(t)] = Node(t.untyped_storage().nbytes(), (call, i), known, t)
         return out
 
-    def call_init(self, original: Callable, args: tuple, kwargs: dict) -> Any:
+    def call_init(self, original: Callable, args: tuple, kwargs: dict) -> Tensor:
         """A torch init function called on a meta tensor: recorded whole, run on a scratch tensor for its draws."""
         flat = tree_flatten((args, kwargs))[0]
         if self.paused or not any(_is_meta(x) for x in flat):
@@ -143,7 +143,7 @@ class Recorder(TorchDispatchMode):
         states = (torch.get_rng_state(), generator.get_state() if generator is not None else None)
         replay = Replay()
 
-        def real(x: Any) -> Any:
+        def real(x: object) -> object:
             if isinstance(x, Ref):
                 if not x.node.known or (func.overloadpacket in _OVERWRITE and any(w is x for w in writes)):
                     return self.scratch(x)
@@ -229,7 +229,7 @@ def _init_functions(recorder: Recorder) -> Iterator[None]:
 
 def _wrap(recorder: Recorder, original: Callable) -> Callable:
     @functools.wraps(original)
-    def init_function(*args: Any, **kwargs: Any) -> Any:
+    def init_function(*args: Any, **kwargs: Any) -> Tensor:
         return recorder.call_init(original, args, kwargs)
     return init_function
 
@@ -267,7 +267,7 @@ def _models_built(found: Callable[[nn.Module], None]) -> Iterator[None]:
     owners: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
     children: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
-    def owns(module: nn.Module, name: str, value: Any) -> None:
+    def owns(module: nn.Module, name: str, value: object) -> None:
         owners.add(module)
         if isinstance(value, nn.Module):
             children.add(value)

@@ -14,7 +14,7 @@ any order, on any rank, equal to eager init on the CPU.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -29,7 +29,7 @@ class Call:
     state, state of the generator passed to it or None) before eager init ran it, for calls that draw."""
     __slots__ = ("func", "args", "kwargs", "states", "writes")
 
-    def __init__(self, func: Callable, args: tuple, kwargs: dict, states: Optional[Tuple[torch.Tensor, Any]],
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, states: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]],
                  writes: Tuple["Ref", ...]) -> None:
         self.func, self.args, self.kwargs, self.states, self.writes = func, args, kwargs, states, writes
 
@@ -108,9 +108,9 @@ class Replay:
                                f"had {node.nbytes}")
         return storage
 
-    def run(self, call: Call, writing: Optional[Node]) -> Any:
+    def run(self, call: Call, writing: Optional[Node]) -> object:
         """Run `call` again on real tensors. Other nodes it writes into get copies (their own tapes have the call)."""
-        def real(x: Any) -> Any:
+        def real(x: object) -> object:
             if isinstance(x, Ref):
                 storage = self.storage(x.node, x.version)
                 if x.node is not writing and any(w is x for w in call.writes):
@@ -128,7 +128,7 @@ class Replay:
 
 
 @contextlib.contextmanager
-def _generator_at(states: Optional[Tuple[torch.Tensor, Any]]):
+def _generator_at(states: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]):
     """The CPU default generator at the recorded state meanwhile, and back where it was after."""
     if states is None:
         yield

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ContextManager, Optional, Protocol, Type
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Protocol, Type, TypedDict
 
 import numpy as np
 import torch
@@ -19,23 +19,31 @@ from torch.distributed import ProcessGroup
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+from ..checkpoint.scheduler import Scheduler
+from ..core.optimizer_wrapper import OptimizerWrapper
 from ..guards.launch import ARRIVAL_TIMEOUT_S, arrival_barrier
 
-__all__ = ["Plugin", "DPPluginBase", "BoosterCheckpointIO"]
+__all__ = ["Plugin", "DPPluginBase", "BoosterCheckpointIO", "PipelineResult"]
 
 
 class BoosterCheckpointIO(Protocol):
     """The checkpoint calls the Booster makes (checkpoint/io.py's HybridParallelCheckpointIO and its subclasses)."""
 
-    def register_optimizer(self, model: nn.Module, optimizer: Any) -> None: ...
+    def register_optimizer(self, model: nn.Module, optimizer: OptimizerWrapper) -> None: ...
     def synchronize(self) -> None: ...
     def save_model(self, model: nn.Module, checkpoint: str, **kwargs: Any) -> None: ...
     def load_model(self, model: nn.Module, checkpoint: str, **kwargs: Any) -> None: ...
-    def save_optimizer(self, optimizer: Any, checkpoint: str, **kwargs: Any) -> None: ...
-    def load_optimizer(self, optimizer: Any, checkpoint: str, **kwargs: Any) -> None: ...
-    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None: ...
-    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None: ...
+    def save_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str, **kwargs: Any) -> None: ...
+    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str, **kwargs: Any) -> None: ...
+    def save_lr_scheduler(self, lr_scheduler: Scheduler, checkpoint: str) -> None: ...
+    def load_lr_scheduler(self, lr_scheduler: Scheduler, checkpoint: str) -> None: ...
     def save_lora_as_pretrained(self, model: nn.Module, checkpoint: str, use_safetensors: bool = False) -> None: ...
+
+
+class PipelineResult(TypedDict):
+    """What `execute_pipeline` returns."""
+    loss: Optional[torch.Tensor]  # the step's loss on every stage (with return_loss and a criterion), else None
+    outputs: Any  # the user model's outputs merged over microbatches (with return_outputs on the last stage), else None
 
 
 class Plugin(ABC):
@@ -57,7 +65,7 @@ class Plugin(ABC):
         """The collective checkpoint calls for models and optimizers this plugin boosted."""
 
     @abstractmethod
-    def no_sync(self, model: nn.Module, optimizer: Any = None) -> ContextManager[None]:
+    def no_sync(self, model: nn.Module, optimizer: Optional[OptimizerWrapper] = None) -> ContextManager[None]:
         """Gradient accumulation: backward passes inside do not reduce gradients over data parallel."""
 
     def arrive(self, call: str) -> None:
@@ -76,12 +84,13 @@ class Plugin(ABC):
         """ColossalAI's query: False where Booster(mixed_precision=...) applies (torch AMP, core/torch_amp.py)."""
         return True
 
-    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
+    def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
         """`booster.backward(loss, optimizer)`: the boosted optimizer's backward (it scales an fp16 loss)."""
         optimizer.backward(loss)
 
-    def execute_pipeline(self, data_iter: Any, model: nn.Module, criterion: Callable, optimizer: Any = None,
-                         return_loss: bool = True, return_outputs: bool = False) -> Any:
+    def execute_pipeline(self, data_iter: Iterator[Mapping[str, object]], model: nn.Module,
+                         criterion: Optional[Callable], optimizer: Optional[OptimizerWrapper] = None,
+                         return_loss: bool = True, return_outputs: bool = False) -> PipelineResult:
         raise NotImplementedError(f"{type(self).__name__} has no pipeline: execute_pipeline needs "
                                   f"HybridParallelPlugin(pp_size > 1 or num_microbatches=...). Call "
                                   f"loss = criterion(model(**batch), batch); booster.backward(loss, optimizer).")

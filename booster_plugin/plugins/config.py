@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, SupportsFloat, Union
 
 import torch.distributed as dist
 
 from pipeline.actions import Schedule
+from pipeline.step import MicroBatch
 from pipeline.styles import ScheduleStyle, style_named
 from shardformer.chunked_loss import check_chunk_size
-from shardformer.policies.from_parallelformers import as_policy
+from shardformer.policies.from_parallelformers import PolicyLike, as_policy
 from shardformer.policies import Policy
 from shardformer.sequence.parallel import SEQUENCE_PARALLEL_MODES, resolve_mode
 
@@ -28,7 +29,7 @@ from ..core.activation_checkpoint import GradientCheckpointConfig
 from ..compat.colossal_args import check_unacted_args
 from ..guards.launch import DEFAULT_TIMEOUT_S, alias, check_int, default_device
 from ..core.mixed_precision import LossScalerConfig
-from ..compat.v_schedule import fingerprint, schedule_from_nodes
+from ..compat.v_schedule import ScheduleNode, fingerprint, schedule_from_nodes
 from .speed import COLOSSALAI_SPEED_SWITCHES, SpeedConfig
 
 __all__ = ["PRECISIONS", "MeshConfig", "PipelineConfig", "ShardingConfig", "PrecisionConfig", "PluginConfig"]
@@ -90,13 +91,14 @@ class PipelineConfig:
     measured_costs: bool              # pp_schedule_costs="measured"
     nodes: Optional[Schedule]         # ColossalAI's scheduler_nodes, as a schedule
     trace: bool
-    loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]]
+    loss_weight_fn: Optional[Callable[[MicroBatch], SupportsFloat]]
 
     @classmethod
     def build(cls, pp_size: int, num_microbatches: Optional[int], microbatch_size: Optional[int], pp_style: str,
               num_model_chunks: int, num_layers_per_stage: Union[Sequence[int], str, None], p2p_transport: str,
-              enable_metadata_cache: bool, pp_schedule_costs: str, scheduler_nodes: Optional[Sequence[Sequence[Any]]],
-              trace: Optional[bool], loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]]) -> "PipelineConfig":
+              enable_metadata_cache: bool, pp_schedule_costs: str,
+              scheduler_nodes: Optional[Sequence[Sequence[ScheduleNode]]], trace: Optional[bool],
+              loss_weight_fn: Optional[Callable[[MicroBatch], SupportsFloat]]) -> "PipelineConfig":
         if num_microbatches is not None:
             check_int("num_microbatches", num_microbatches, 1)
         if microbatch_size is not None:
@@ -143,7 +145,8 @@ class ShardingConfig:
     speed: SpeedConfig                # compiled layers, fused kernels, attention implementation (speed.py)
 
     @classmethod
-    def build(cls, tp_size: int, pp_size: int, custom_policy: Any, parallel_output: bool,
+    def build(cls, tp_size: int, pp_size: int, custom_policy: Union[None, Policy, PolicyLike, Sequence[PolicyLike]],
+              parallel_output: bool,
               make_vocab_size_divisible_by: int, enable_sequence_parallelism: bool,
               sequence_parallelism_mode: Optional[str], sp_size: Optional[int], seed: int,
               gradient_checkpoint_config: Optional[GradientCheckpointConfig], chunked_loss: Optional[bool] = None,
@@ -199,7 +202,7 @@ class PluginConfig:
     check_batches: bool
 
     @classmethod
-    def from_arguments(cls, args: Dict[str, Any], colossalai_kwargs: Dict[str, Any]) -> "PluginConfig":
+    def from_arguments(cls, args: Dict[str, Any], colossalai_kwargs: Mapping[str, object]) -> "PluginConfig":
         """HybridParallelPlugin's arguments (by name) -> the validated configuration; raises on bad input."""
         a = dict(args)
         tp_size, pp_size = alias("tp", a.pop("tp"), "tp_size", a["tp_size"]), alias("pp", a.pop("pp"), "pp_size",

@@ -10,7 +10,7 @@ batch. Checkpoints: checkpoint/fsdp_io.py (Hugging Face model files, safetensors
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Iterable, List, Optional
+from typing import Callable, ContextManager, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from ..compat.fsdp_args import (FSDP1_UNACTED, GEMINI_UNACTED, ShardLayout, fsdp
                         refuse_fsdp1_options, warn_unacted)
 from ..core.mixed_precision import DynamicLossScaler, LossScalerConfig
 from ..fsdp.model import FSDPModel, GeminiModel
+from ..core.optimizer_wrapper import OptimizerWrapper
 from ..fsdp.optimizer import FSDPOptimizerWrapper, GeminiOptimizer
 from ..fsdp.shard import (decoder_layers, make_mesh, parameter_names, policy_targets, prepare_replicas,
                          rebind_optimizer, shard_model)
@@ -97,7 +98,8 @@ class FSDPPluginBase(DPPluginBase):
     def get_checkpoint_io(self) -> FSDPCheckpointIO:
         return FSDPCheckpointIO(ddp_context(self.device, DEFAULT_TIMEOUT_S))
 
-    def no_sync(self, model: Optional[nn.Module] = None, optimizer: Any = None) -> ContextManager[None]:
+    def no_sync(self, model: Optional[nn.Module] = None,
+                optimizer: Optional[OptimizerWrapper] = None) -> ContextManager[None]:
         raise NotImplementedError(f"{type(self).__name__} does not support no_sync (as in ColossalAI). Gradient "
                                   f"accumulation needs none: call booster.backward for each micro-batch, then "
                                   f"optimizer.step(); every backward reduces its gradients, and they add up.")
@@ -137,7 +139,7 @@ class GeminiPlugin(FSDPPluginBase):
                  warmup_non_model_data_ratio: float = 0.8, steady_cuda_cap_ratio: float = 0.9,
                  precision: str = "fp32", master_weights: bool = True, pin_memory: bool = False,
                  force_outputs_fp32: bool = False, strict_ddp_mode: bool = False, search_range_m: int = 32,
-                 hidden_dim: Optional[int] = None, min_chunk_size_m: float = 32, memstats: Any = None,
+                 hidden_dim: Optional[int] = None, min_chunk_size_m: float = 32, memstats: object = None,
                  gpu_margin_mem_ratio: float = 0.0, initial_scale: float = 2 ** 16, min_scale: float = 1,
                  growth_factor: float = 2, backoff_factor: float = 0.5, growth_interval: int = 1000,
                  hysteresis: int = 2, max_scale: float = 2 ** 32, max_norm: float = 0.0, norm_type: float = 2.0,

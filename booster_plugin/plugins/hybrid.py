@@ -4,7 +4,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Type
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, SupportsFloat, Type
 
 import torch
 import torch.distributed as dist
@@ -16,15 +16,17 @@ from torch.utils.data.distributed import DistributedSampler
 
 from pipeline import PipelineP2PCommunication, PipelineSchedule, PipelineStageManager, ProcessGroupMesh
 from pipeline.context import ParallelContext
-from pipeline.step import StepOptions
+from pipeline.step import MicroBatch, StepOptions
 from pipeline.trace import ScheduleTracer
 from shardformer.policies import Policy
 from shardformer.shard_config import ShardConfig
 
+from ..compat.v_schedule import ScheduleNode
 from ..core.activation_checkpoint import GradientCheckpointConfig
 from ..guards.batch_check import BatchLimits, agree_on_batch, batch_agreed
 from .config import PluginConfig
 from ..guards.failure import FailureGuard
+from .base import PipelineResult
 from .hybrid_base import HybridPluginBase
 from ..guards.launch import ARRIVAL_TIMEOUT_S, agree_on_layout, arrival_barrier, default_device, ensure_distributed
 from ..core.microbatches import MicrobatchSplit, token_weighted_scales, without_empty_microbatches
@@ -121,9 +123,10 @@ class HybridParallelPlugin(HybridPluginBase):
                  sequence_parallelism_mode: Optional[str] = None, sp_size: Optional[int] = None,
                  parallel_output: bool = True, make_vocab_size_divisible_by: int = 64,
                  enable_metadata_cache: bool = True, ddp_bucket_cap_mb: float = 25, p2p_transport: str = "p2p",
-                 pp_schedule_costs: str = "unit", scheduler_nodes: Optional[Sequence[Sequence[Any]]] = None,
+                 pp_schedule_costs: str = "unit", scheduler_nodes: Optional[Sequence[Sequence[ScheduleNode]]] = None,
                  seed: int = 1024, trace: Optional[bool] = None,
-                 loss_weight_fn: Optional[Callable[[Dict[str, Any]], Any]] = None, timeout: Optional[float] = None,
+                 loss_weight_fn: Optional[Callable[[MicroBatch], SupportsFloat]] = None,
+                 timeout: Optional[float] = None,
                  check_batches: bool = True, on_nonfinite: str = "skip",
                  initial_scale: float = 2 ** 16, growth_factor: float = 2, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 2, min_scale: float = 1, max_scale: float = 2 ** 32,
@@ -284,9 +287,9 @@ class HybridParallelPlugin(HybridPluginBase):
                                           self.schedule.tracer if self.schedule else None)
         return module, optimizer, criterion, dataloader, lr_scheduler
 
-    def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,
-                         optimizer: Optional[HybridParallelOptimizer] = None, return_loss: bool = True,
-                         return_outputs: bool = False) -> Dict[str, Any]:
+    def execute_pipeline(self, data_iter: Iterator[Mapping[str, object]], model: HybridParallelModule,
+                         criterion: Optional[Callable], optimizer: Optional[HybridParallelOptimizer] = None,
+                         return_loss: bool = True, return_outputs: bool = False) -> PipelineResult:
         """One step over microbatches (see Booster.execute_pipeline): forwards and backwards, or forwards only under
         torch.no_grad() or with the model in eval mode and no optimizer (evaluation)."""
         check_step_arguments(model, criterion, optimizer)  # every rank alike, before anything runs
@@ -335,11 +338,11 @@ class HybridParallelPlugin(HybridPluginBase):
         with self.failure_guard.step(call):
             arrival_barrier(call, window)
 
-    def _agreed_microbatches(self, batch: Any, limits: BatchLimits) -> List[Dict[str, Any]]:
+    def _agreed_microbatches(self, batch: object, limits: BatchLimits) -> List[MicroBatch]:
         """This step's microbatches, split once while every rank agrees on its batch (collective)."""
-        split: List[List[Dict[str, Any]]] = []  # the split the agreement makes (it counts the microbatches)
+        split: List[List[MicroBatch]] = []  # the split the agreement makes (it counts the microbatches)
 
-        def count(b: Any) -> int:
+        def count(b: object) -> int:
             split.append(self._microbatches(b, limits))
             return len(split[0])
 
@@ -347,7 +350,7 @@ class HybridParallelPlugin(HybridPluginBase):
             agree_on_batch(batch, limits, count, self.dp_rank, self.device)
         return split[0]
 
-    def _microbatches(self, batch: Any, limits: BatchLimits) -> List[Dict[str, Any]]:
+    def _microbatches(self, batch: object, limits: BatchLimits) -> List[MicroBatch]:
         """How this step splits `batch` (raises as the step would on a batch that does not split, or on an empty
         batch or labels the model cannot take); planned for."""
         check_batch_content(batch, limits)

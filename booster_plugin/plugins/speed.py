@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ class SpeedConfig:
 
     @classmethod
     def build(cls, compile_layers: bool, fused_kernels: Optional[str], attn_implementation: Optional[str],
-              switches: Dict[str, Any], device: torch.device, rank: int) -> "SpeedConfig":
+              switches: Dict[str, bool], device: torch.device, rank: int) -> "SpeedConfig":
         """`switches`: ColossalAI's four (COLOSSALAI_SPEED_SWITCHES) by name. Raises on bad input, on every rank."""
         if fused_kernels not in FUSED_KERNELS:
             raise ValueError(f"fused_kernels={fused_kernels!r}: use one of {FUSED_KERNELS}.")

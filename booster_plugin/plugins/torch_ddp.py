@@ -3,7 +3,7 @@ gradients averaged by DDP's bucketed all-reduce), with HF-format model checkpoin
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,7 @@ class TorchDDPPlugin(DPPluginBase):
     def get_checkpoint_io(self) -> TorchDDPCheckpointIO:
         return TorchDDPCheckpointIO(ddp_context(self.device, DEFAULT_TIMEOUT_S))
 
-    def no_sync(self, model: Optional[nn.Module] = None, optimizer: Any = None) -> ContextManager[None]:
+    def no_sync(self, model: Optional[nn.Module] = None,
+                optimizer: Optional[OptimizerWrapper] = None) -> ContextManager[None]:
         """DistributedDataParallel's no_sync: gradients accumulate locally until the first backward outside."""
         return ddp_module(model).no_sync()

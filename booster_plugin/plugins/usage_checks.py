@@ -9,7 +9,7 @@ import json
 
 import hashlib
 import weakref
-from typing import Any, Mapping, Optional
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -63,7 +63,7 @@ def agree_on_model(model: nn.Module) -> None:
                      "config (digest)": _digest(json.dumps(_canonical(settings), default=repr))})
 
 
-def _canonical(value: Any) -> Any:
+def _canonical(value: object) -> object:
     """`value` with every dict's items in key order at every depth (a config may build a nested dict from a set,
     whose order changes with each process's hash seed), keys as strings."""
     if isinstance(value, Mapping):
@@ -73,7 +73,7 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-def check_step_arguments(model: Any, criterion: Any, optimizer: Any) -> None:
+def check_step_arguments(model: object, criterion: object, optimizer: object) -> None:
     """execute_pipeline(data_iter, model, criterion, optimizer): the boosted model and optimizer, a callable
     criterion (or None)."""
     if not isinstance(model, HybridParallelModule):
@@ -93,7 +93,7 @@ def check_step_arguments(model: Any, criterion: Any, optimizer: Any) -> None:
                         f"optimizer)`.")
 
 
-def check_criterion(criterion: Optional[Any], trains: bool) -> None:
+def check_criterion(criterion: object, trains: bool) -> None:
     """A step that runs backward needs a loss: refuse criterion=None there."""
     if criterion is None and trains:
         raise ValueError("execute_pipeline trains here (gradients are enabled and the model is in train mode or an "
@@ -102,7 +102,7 @@ def check_criterion(criterion: Optional[Any], trains: bool) -> None:
                          "after model.eval() without an optimizer.")
 
 
-def check_batch_content(batch: Any, limits: BatchLimits) -> None:
+def check_batch_content(batch: object, limits: BatchLimits) -> None:
     """Refuse an empty batch, and labels that are not token ids for a model whose labels index its vocabulary (an
     LM head). Other problems (not a dict, shapes) are left to the split."""
     if not isinstance(batch, Mapping):

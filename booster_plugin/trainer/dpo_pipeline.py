@@ -23,10 +23,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipeline.groups import world_group
+from pipeline.step import MicroBatch
 
 from .trl_support import _full_vocab_logits, per_token_fields
 
-Batch = Dict[str, Any]
+Batch = MicroBatch
 MODEL_KEYS = ("input_ids", "attention_mask")
 # TRL's reward and log-probability metrics, as per-pair sums (then the pair count): their means over the window
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

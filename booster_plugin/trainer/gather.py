@@ -4,7 +4,7 @@ gather would repeat each replica's rows tp x pp x sp times. The rows of one rank
 order (the order accelerate's sharding gave the batches), and the padding rows of an epoch's last batch dropped."""
 from __future__ import annotations
 
-from typing import Any, List
+from typing import List, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -12,6 +12,8 @@ from accelerate import Accelerator
 from accelerate.utils import recursively_apply
 
 from pipeline.groups import world_group
+
+Nested = TypeVar("Nested")  # nested tensors (losses, logits, labels), gathered in the same structure
 
 
 def replica_representatives(dp_rank: int) -> List[int]:
@@ -21,7 +23,7 @@ def replica_representatives(dp_rank: int) -> List[int]:
     return [ranks.index(d) for d in range(max(ranks) + 1)]
 
 
-def gather_replicas(data: Any, accelerator: Accelerator, representatives: List[int]) -> Any:
+def gather_replicas(data: Nested, accelerator: Accelerator, representatives: List[int]) -> Nested:
     """`accelerator.gather_for_metrics(data)` over replicas instead of processes (collective over the world)."""
     world = dist.get_world_size()
     gathered = accelerator.gather(data)

@@ -34,11 +34,13 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Trainer
 
+from pipeline.step import MicroBatch
+
 from .. import Booster
 from .checkpoint import CheckpointHooks
 from .compat import COUNT_DIVIDED_BY_TP_SIZE, activation_checkpointing, checkpointing_argument
 from .data import Replica, dataloader_params, replica_dataloader
-from .gather import gather_replicas, replica_representatives
+from .gather import Nested, gather_replicas, replica_representatives
 from .pipeline_step import AccumulationWindow, concat_batches, logits_on_every_stage, pipeline_loss
 from .dpo_pipeline import dpo_pipeline_loss, dpo_pipeline_problems
 from .trl_support import FusedHeadOnPlugin, attach, is_trl, is_trl_trainer, trl_problems
@@ -179,7 +181,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
     def gather_function(self, value: Callable[[Any], Any]) -> None:
         """Trainer assigns accelerate's gather over processes (at init, after each evaluation): not used."""
 
-    def _gather_over_replicas(self, data: Any) -> Any:
+    def _gather_over_replicas(self, data: Nested) -> Nested:
         if self._representatives is None:
             self._representatives = replica_representatives(self.plugin.dp_rank)
         return gather_replicas(data, self.accelerator, self._representatives)
@@ -215,7 +217,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
             self.booster.backward(loss, self.optimizer)
         return loss.detach()
 
-    def _pipeline_training_step(self, model: nn.Module, batches: List[Dict[str, Any]],
+    def _pipeline_training_step(self, model: nn.Module, batches: List[MicroBatch],
                                 num_items_in_batch) -> torch.Tensor:
         """One pipeline step over the window's batches; their summed loss (what Trainer's per-batch steps add)."""
         model.train()
@@ -259,7 +261,7 @@ class HybridParallelTrainerMixin(CheckpointHooks):
         return loss, logits, labels
 
 
-def _is_hf_dataset(dataset: Any) -> bool:
+def _is_hf_dataset(dataset: object) -> bool:
     try:
         import datasets
     except ImportError:

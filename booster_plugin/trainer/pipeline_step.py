@@ -16,7 +16,11 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-Batch = Dict[str, Any]
+from pipeline.step import MicroBatch
+
+from ..plugins.base import PipelineResult
+
+Batch = MicroBatch
 
 
 def _rows(batch: Batch) -> int:
@@ -56,7 +60,7 @@ def scaled_model_loss(total_rows: int, dp_scale: float) -> Callable[[Any, Batch]
 
 
 def pipeline_loss(booster, model, optimizer, batch: Batch, num_items_in_batch: Optional[torch.Tensor],
-                  dp_scale: float, return_outputs: bool = False) -> Dict[str, Any]:
+                  dp_scale: float, return_outputs: bool = False) -> PipelineResult:
     """One pipeline step over `batch`: {"loss", "outputs"} (loss on every rank); trains when `optimizer` is given."""
     if num_items_in_batch is None:
         raise ValueError("HybridParallelTrainer under pipeline parallelism needs the model to compute its loss from "

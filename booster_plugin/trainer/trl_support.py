@@ -33,12 +33,12 @@ def _trl_class(name: str) -> Optional[type]:
     return getattr(trl, name, None)
 
 
-def is_trl(trainer: Any, name: str) -> bool:
+def is_trl(trainer: object, name: str) -> bool:
     cls = _trl_class(name)
     return cls is not None and isinstance(trainer, cls)
 
 
-def is_trl_trainer(trainer: Any) -> bool:
+def is_trl_trainer(trainer: object) -> bool:
     return is_trl(trainer, "SFTTrainer") or is_trl(trainer, "DPOTrainer")
 
 
@@ -96,7 +96,7 @@ def _full_vocab_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def per_token_fields(logits: torch.Tensor, labels: torch.Tensor, outputs: Tuple[str, ...]) -> Dict[str, Any]:
+def per_token_fields(logits: torch.Tensor, labels: torch.Tensor, outputs: Tuple[str, ...]) -> Dict[str, torch.Tensor]:
     """TRL's fused-head fields from the full logits (`trl.kernels.chunked_logprob`, temperature 1): the label's
     log-probability, the entropy, log(sum p^2), the mean logit and whether the label is the first argmax; zero where
     the label is -100."""
@@ -104,7 +104,7 @@ def per_token_fields(logits: torch.Tensor, labels: torch.Tensor, outputs: Tuple[
     x = logits.float()
     log_z = torch.logsumexp(x, dim=-1)
     log_probs = x.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) - log_z
-    fields: Dict[str, Any] = {"log_probs": log_probs.masked_fill(~mask, 0.0), "label_mask": mask}
+    fields: Dict[str, torch.Tensor] = {"log_probs": log_probs.masked_fill(~mask, 0.0), "label_mask": mask}
     if "entropy" in outputs:
         probs = (x - log_z.unsqueeze(-1)).exp()
         fields["entropy"] = (log_z - (probs * x).sum(-1)).masked_fill(~mask, 0.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from types import MappingProxyType
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -20,7 +20,7 @@ from ..paths import base_prefix, find_submodule, match
 from ..shard_config import ShardConfig
 from ..stage.forward import IDENTITY, INPUT, SHAPED, ZEROS
 from ..stage.placement import StagePlacement, place
-from .plan import Plan
+from .plan import Plan, ReleaseHook
 from ..tensor.styles import (Colwise, Experts, GradAllReduce, HeadEmbedding, KVHeads, OwnHeads, ParallelStyle, Rowwise,
                       SharedTailGrad, SplitParam, VocabEmbedding, VocabHead)
 
@@ -48,7 +48,7 @@ class Policy:
     first_stage_inputs: Sequence[str] = ()          # call keywords only the first stage's entry modules read
     # hook for a policy whose stages are not one layer list (encoder-decoder): it prunes the model to this stage
     # itself and returns the callable that runs the stage; None: the sharder releases layers, entry and exit
-    release_unheld_layers: Optional[Callable[[], Optional[Callable[..., Any]]]] = None
+    release_unheld_layers: Optional[ReleaseHook] = None
 
     def __init__(self) -> None:
         self.model: Optional[nn.Module] = None

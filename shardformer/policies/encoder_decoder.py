@@ -4,7 +4,7 @@ own forward (see stage/encoder_decoder.py). An encoder-only model of such a fami
 decoder stack: the pipeline splits the encoder's layers alone."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -35,7 +35,7 @@ class EncoderDecoderPolicy(Policy):
     decoder_entry: Dict[str, str] = {}
     encoder_exit: Sequence[str] = ()                   # run once, after the last encoder layer
     decoder_exit: Sequence[str] = ()                   # last stage only (with the LM head)
-    entry_attributes: Dict[str, Dict[str, Any]] = {}   # stack -> attributes set where its entry is stood in
+    entry_attributes: Dict[str, Dict[str, object]] = {}  # stack -> attributes set where its entry is stood in
     carried: Dict[str, Tuple[int, int]] = {}           # value -> (layer's positional argument, layer output index)
 
     # -- structure over the two stacks ----------------------------------------------------------------------

@@ -41,8 +41,8 @@ class Layer:
     weight: Optional[str] = None
     bias: Optional[str] = None
     n_fused: Optional[int] = None
-    replace: Any = None
-    reversed: Any = None
+    replace: Optional[type] = None
+    reversed: Optional[bool] = None
     ignore_checker: bool = False
 
 

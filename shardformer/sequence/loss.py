@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -43,7 +43,7 @@ class HeadOnShard:
         self.active = model.training and labels_argument(model, args, kwargs) is not None
 
 
-def labels_argument(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
+def labels_argument(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> object:
     """The `labels` argument of a call of the model (keyword or positional), None when not given."""
     if "labels" in kwargs or not args:
         return kwargs.get("labels")
@@ -86,7 +86,7 @@ class _HeadOnTokens:
                     owner._parameters[name] = copy_to_tp(p, self.state.tokens.group)
         return (self.state.tokens.of(args[0]), *args[1:])
 
-    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def leave(self, module: nn.Module, args: tuple, output: object) -> None:
         for owner, name, p in self.held:
             owner._parameters[name] = p
         self.held = []
@@ -96,11 +96,12 @@ class _LossOnTokens:
     """`model.loss_function`: on logits of this rank's tokens, the causal-LM loss of the whole sequence
     (causal_lm_loss_on_tokens); on full-sequence logits the model's loss function before (`own`)."""
 
-    def __init__(self, own: Any, tokens: TokenShard) -> None:
+    def __init__(self, own: Callable[..., Tensor], tokens: TokenShard) -> None:
         self.own, self.tokens = own, tokens
 
     def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int, ignore_index: int = -100,
-                 num_items_in_batch: Any = None, shift_labels: Optional[Tensor] = None, **kwargs) -> Tensor:
+                 num_items_in_batch: Tensor | int | None = None, shift_labels: Optional[Tensor] = None,
+                 **kwargs) -> Tensor:
         length = (labels if shift_labels is None else shift_labels).shape[-1]
         if logits.shape[1] == length:
             return self.own(logits, labels, vocab_size=vocab_size, ignore_index=ignore_index,

@@ -121,12 +121,13 @@ def resolve_mode(enable: bool, mode: Optional[str], sp_size: Optional[int], tp_s
     return SequenceParallel(mode, size)
 
 
-def check_sequence_parallelism(policy: Policy, mode: str, config: Any, tp_size: int, sp_size: int = 1) -> None:
+def check_sequence_parallelism(policy: Policy, mode: str, config: object, tp_size: int, sp_size: int = 1) -> None:
     """`check_sequence_plan` of a policy bound to its model (its plan)."""
     check_sequence_plan(policy.model, policy.plan(tp_size), mode, config, tp_size, sp_size)
 
 
-def check_sequence_plan(model: nn.Module, plan: Plan, mode: str, config: Any, tp_size: int, sp_size: int = 1) -> None:
+def check_sequence_plan(model: nn.Module, plan: Plan, mode: str, config: object, tp_size: int,
+                        sp_size: int = 1) -> None:
     """Refuse (the same on every rank, before any collective of the sharding) what the mode cannot split exactly,
     naming the model, the module or setting, and what to use instead. `sp_size` > 1: over a group of its own."""
     name = type(model).__name__
@@ -167,7 +168,7 @@ def check_sequence_plan(model: nn.Module, plan: Plan, mode: str, config: Any, tp
         _check_mixers_are_regions(model, plan, name)
 
 
-def _check_heads_split(name: str, config: Any, tp_size: int, sp_size: int) -> None:
+def _check_heads_split(name: str, config: object, tp_size: int, sp_size: int) -> None:
     """all_to_all over sp_size ranks exchanges each rank's heads (already 1/tp of them) for sequence: they must
     split evenly."""
     for attr in ("num_attention_heads", "num_key_value_heads"):
@@ -179,7 +180,7 @@ def _check_heads_split(name: str, config: Any, tp_size: int, sp_size: int) -> No
                              f"'ring_attn' (any number of heads).")
 
 
-def _check_no_per_head_parameters(model: nn.Module, plan: Plan, name: str, config: Any) -> None:
+def _check_no_per_head_parameters(model: nn.Module, plan: Plan, name: str, config: object) -> None:
     """all_to_all hands the model's attention function 1/sp of the heads: an attention module's own per-head
     parameter (one value per head, e.g. GPT-OSS's sinks), which that function reads whole, would not match them."""
     heads = getattr(config, "num_attention_heads", None)

@@ -6,14 +6,15 @@ to the rank's chunks. In eval mode the layers run unsplit with the model's own a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Optional, Sequence
 
 from torch import Tensor, nn
 
 from pipeline.context import Axis
 
 from .ring_attention import RingAttention
-from .ulysses import ShardPositionEmbeddings, attention_override, layers_config, own_attention, point_layers_at
+from .ulysses import (AttentionFunction, ShardPositionEmbeddings, attention_override, layers_config, own_attention,
+                      point_layers_at)
 
 __all__ = ["RING", "use_ring_attention"]
 
@@ -25,10 +26,11 @@ class _Ring:
     """What the ring attention function keeps per module: the ring, and the module's own attention (eval mode)."""
     ring: RingAttention
     implementation: str
-    eager: Any
+    eager: Optional[AttentionFunction]
 
 
-def _ring_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, **kwargs):
+def _ring_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                    **kwargs):
     if not module.training:  # the layers run unsplit
         return own_attention(module)(module, query, key, value, attention_mask, **kwargs)
     spec: _Ring = attention_override(module)

@@ -30,7 +30,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from .ring_blocks import Block, block_backward, block_forward, finite, merge
@@ -52,7 +52,7 @@ class RingSpec(NamedTuple):
 
 
 # -- the ring --------------------------------------------------------------------------------------------------------
-def _post(spec: RingSpec, sends: List[Tensor], recvs: List[Tensor]) -> List[Any]:
+def _post(spec: RingSpec, sends: List[Tensor], recvs: List[Tensor]) -> List[dist.Work]:
     """Start receives from the previous rank and sends to the next one, in list order (receives first); the order
     of messages between two ranks is the order they were posted, as NCCL and gloo both match them."""
     prev, nxt = (spec.rank - 1) % spec.world, (spec.rank + 1) % spec.world
@@ -61,7 +61,7 @@ def _post(spec: RingSpec, sends: List[Tensor], recvs: List[Tensor]) -> List[Any]
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _wait(works: List[Any]) -> None:
+def _wait(works: List[dist.Work]) -> None:
     for work in works:
         work.wait()
 
@@ -111,7 +111,7 @@ def _ring_backward(q: Tensor, kv: Tensor, rows: _Rows, spec: RingSpec, n: HeadGr
     that block at step t + 1; the one sent at the last step reaches the block's owner."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     queries, dq_heads = _heads(q, n), _heads(dq, n)
-    sent: List[Any] = []
+    sent: List[dist.Work] = []
     for step in range(spec.world):
         arriving = torch.empty(kv.shape, dtype=torch.float32, device=kv.device) if step > 0 else None
         incoming = torch.empty_like(kv) if step < spec.world - 1 else None
@@ -247,7 +247,8 @@ class RingAttention:
     group: Optional[ProcessGroup]
     position_ids: Optional[Tensor] = None
     documents: Optional[str] = None
-    _cache: Dict[Tuple[int, bool], Tuple[Any, Any]] = field(default_factory=dict, init=False, repr=False)
+    _cache: Dict[Tuple[int, bool], Tuple["weakref.ref[Tensor]", object]] = field(default_factory=dict, init=False,
+                                                                               repr=False)
 
     def __post_init__(self) -> None:
         if self.documents is None:
@@ -258,7 +259,7 @@ class RingAttention:
     # eager inside a compiled layer (regional compilation): its point-to-point ring and its mask analysis (data
     # dependent, cached by tensor identity) are one graph break between the layer's compiled graphs
     @torch.compiler.disable
-    def __call__(self, module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+    def __call__(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                  scaling: Optional[float] = None, dropout: float = 0.0, sliding_window: Optional[int] = None,
                  **kwargs: Any) -> Tuple[Tensor, None]:
         _check_module(module, dropout, kwargs)
@@ -321,7 +322,7 @@ def register_ring_attention(name: str, ring: RingAttention, like: str = "sdpa") 
     AttentionMaskInterface.register(name, masks[like])
 
 
-def _check_mask(mask: Any, batch: int, length: int) -> None:
+def _check_mask(mask: object, batch: int, length: int) -> None:
     """Refuse (before any collective) a mask that is not the model's 4-D mask of the full sequence."""
     shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
     if not isinstance(mask, Tensor) or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, batch) \
@@ -333,7 +334,7 @@ def _check_mask(mask: Any, batch: int, length: int) -> None:
                          f"RingAttention(documents='position_ids').")
 
 
-def _check_module(module: Any, dropout: float, kwargs: dict) -> None:
+def _check_module(module: nn.Module, dropout: float, kwargs: dict) -> None:
     """Refuse (before any collective) what ring attention does not compute."""
     name = type(module).__name__
     if dropout:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import sys
 import weakref
-from typing import Any, Callable, Dict, Protocol, Sequence
+from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple
 
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -22,6 +22,8 @@ __all__ = ["SEQUENCE_DIM", "OwnAttention", "ShardPositionEmbeddings", "layers_co
 
 SEQUENCE_DIM = 1  # hidden states are (batch, sequence, hidden) in the models' layers
 ULYSSES = "hybrid_parallel_ulysses"  # the attention implementation name the all_to_all layers' attention sees
+# a transformers attention function: (module, query, key, value, attention_mask, **kwargs) -> (output, weights)
+AttentionFunction = Callable[..., Tuple[Tensor, Optional[Tensor]]]
 
 
 class _Ulysses:
@@ -82,16 +84,20 @@ def use_ulysses_attention(model: nn.Module, layers: Sequence[nn.Module], seq: Ax
 
 class OwnAttention(Protocol):
     """What a wrapping attention function keeps per module: the implementation the module would have called."""
-    implementation: str
-    eager: Any
+
+    @property
+    def implementation(self) -> str: ...
+    @property
+    def eager(self) -> Optional[AttentionFunction]: ...  # the modeling file's eager function, if it has one
 
 
 # attention module -> its override (weak: a released module drops out with it)
 _OVERRIDES: "weakref.WeakKeyDictionary[nn.Module, OwnAttention]" = weakref.WeakKeyDictionary()
 
 
-def point_layers_at(model: nn.Module, layers: Sequence[nn.Module], name: str, function: Any, mode: str,
-                    make_spec: Callable[[str, Any], OwnAttention], cut_tables: Any) -> None:
+def point_layers_at(model: nn.Module, layers: Sequence[nn.Module], name: str, function: AttentionFunction, mode: str,
+                    make_spec: Callable[[str, Optional[AttentionFunction]], OwnAttention],
+                    cut_tables: ShardPositionEmbeddings) -> None:
     """Register `function` as attention implementation `name` and point the layers' modules that read the model's
     config at a view naming it while they run (config_view.py; the model's own config, and so its masks, unchanged);
     each such module gets `make_spec(its implementation, its modeling file's eager function)` in the override

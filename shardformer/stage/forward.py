@@ -150,12 +150,12 @@ def held_layer_list(layers: nn.ModuleList, indices: Sequence[int]) -> HeldLayers
 class _StageExit(Exception):
     """Ends a non-last stage's forward with what it sends on."""
 
-    def __init__(self, output: Dict[str, Any]) -> None:
+    def __init__(self, output: Dict[str, object]) -> None:
         super().__init__("pipeline stage output")
         self.output = output
 
 
-def _stage_output(layer_output: Any) -> Dict[str, Any]:
+def _stage_output(layer_output: Any) -> Dict[str, object]:
     """What a non-last stage sends on, taken inside its forward: the last layer's hidden states, and the router
     logits recorded so far where the forward records them."""
     output = {"hidden_states": layer_output[0] if isinstance(layer_output, (tuple, list)) else layer_output}
@@ -172,7 +172,7 @@ class ChunkView(NamedTuple):
                                          # the first virtual stage)
     modules: Dict[str, nn.Module]        # model-relative path -> module to put there for this chunk
     exit_layer: Optional[nn.Module]      # ends the forward (None on the last virtual stage)
-    config: Any                          # the base model's config for this chunk (None: unchanged)
+    config: object                       # the base model's config for this chunk (None: unchanged)
 
 
 class StageForward:

@@ -30,7 +30,6 @@ from ..core.mixed_precision import DynamicLossScaler
 from ..core.optimizer_wrapper import OptimizerWrapper
 from ..fsdp.model import fsdp_module, hf_class_name
 from ..fsdp.state import full_model_state, full_optimizer_state, load_full_optimizer_state
-from ..guards.optimizer_guard import boosted_step
 from .atomic import replace_file, resolve_dir, swap_into_place
 from .ddp_io import OPTIMIZER_JSON, OPTIMIZER_TENSORS, TorchDDPCheckpointIO, _no_commit, _tied_targets, read_state
 from .format import (TORCH_SUFFIXES, Entry, from_json, read_json, to_json, write_json,

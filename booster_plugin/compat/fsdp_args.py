@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
 from typing import Dict, Iterable, Mapping, Optional
 
 import torch

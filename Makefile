@@ -15,7 +15,7 @@ example: install
 	$(PYTHON) -m torch.distributed.run --nproc_per_node=$(NPROC) examples/train_gpt2.py
 
 test: install
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest tests -q
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest tests -q --durations=20
 
 # one test per feature (tests/fast_subset.txt, about 1-2 minutes on 2 cores)
 FAST_SUBSET = sed -e 's/\#.*//' -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$$//' -e '/^$$/d' tests/fast_subset.txt | tr '\n' '\0'

@@ -95,7 +95,8 @@ def route_direct_calls(boosted: nn.Module, model: nn.Module, stage_manager: Pipe
             pipelined.end()
 
     boosted.register_forward_pre_hook(check_boosted)
-    model.register_forward_pre_hook(begin, with_kwargs=True)
+    # first, so that the model's other hooks (the chunked loss's) see the call as it runs
+    model.register_forward_pre_hook(begin, with_kwargs=True, prepend=True)
     model.register_forward_hook(end, always_call=True)
 
 

@@ -1,0 +1,116 @@
+"""Direct calls under pipeline parallelism (shardformer/stage/pipelined_call.py): a call every rank makes alike to
+evaluate (`model(**batch)`, `model.unwrap()(**batch)`, `model.unwrap().generate(...)`) runs as one pipelined forward
+and returns on every rank what the unsharded model returns in one process: logits and loss at 1e-5 (fp32), and the
+same tokens from greedy, seeded sampling and beam search generation (left padding, eos, the KV cache filled stage by
+stage), at pp=2 (dp=2) and tp=2 x pp=2 in one 4-rank launch. Calls it cannot run are refused on every rank."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from booster_plugin import Booster, HybridParallelPlugin
+from booster_plugin.core.stage_calls import PipelineCallError
+from tests import model_utils as mu
+from tests.dist_utils import run_distributed
+from tests.test_encoder_decoder import t5_config  # noqa: F401  (registers t5_lm)
+
+KINDS = ("llama_lm", "gpt2_lm")
+
+
+def _boost(reference, **plugin_kwargs):
+    plugin = HybridParallelPlugin(num_microbatches=2, **plugin_kwargs)
+    model, *_ = Booster(plugin=plugin).boost(copy.deepcopy(reference))
+    return model
+
+
+def _prompt(kind: str):
+    """Two prompts of 5 tokens, the first left-padded by 2."""
+    ids = mu.make_batch(kind, 2, 3)["input_ids"][:, :5].clone()
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0
+    return ids, mask
+
+
+def _same_tokens(reference, model, what: str, seed=None, **kwargs) -> torch.Tensor:
+    outputs = []
+    for m in (reference, model.unwrap()):
+        if seed is not None:
+            torch.manual_seed(seed)
+        outputs.append(m.generate(**kwargs, pad_token_id=0))
+    assert torch.equal(outputs[1], outputs[0]), (what, outputs[1], outputs[0])
+    return outputs[0]
+
+
+def _check_calls(reference, model, kind: str) -> None:
+    """Eval logits and loss of both direct calls, then generation, against the unsharded model."""
+    reference.eval(), model.eval()
+    batch = mu.make_batch(kind, 2, 4)
+    with torch.no_grad():
+        expected = reference(**batch)
+        for call in (model, model.unwrap()):
+            out = call(**batch)
+            mu.assert_close(out.logits, expected.logits, f"{kind} logits")
+            mu.assert_close(out.loss, expected.loss, f"{kind} loss")
+    ids, mask = _prompt(kind)
+    prompt = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5)
+    greedy = _same_tokens(reference, model, f"{kind} greedy", **prompt, do_sample=False)
+    eos = int(greedy[1, 7])  # the second row's third new token: it stops there, the first row goes on
+    _same_tokens(reference, model, f"{kind} eos", **prompt, do_sample=False, eos_token_id=eos)
+    _same_tokens(reference, model, f"{kind} sampling", seed=11, **prompt, do_sample=True, top_k=0)
+    _same_tokens(reference, model, f"{kind} beam search", **prompt, do_sample=False, num_beams=2)
+
+
+def _check_train_mode_without_grad(reference, model, kind: str) -> None:
+    """GRPO-style: train mode under no_grad (the chunked causal-LM loss stays off: full logits, the model's loss)."""
+    reference.train(), model.train()
+    batch = mu.make_batch(kind, 2, 5)
+    with torch.no_grad():
+        expected, out = reference(**batch), model(**batch)
+    mu.assert_close(out.logits, expected.logits, f"{kind} train-mode logits")
+    mu.assert_close(out.loss, expected.loss, f"{kind} train-mode loss")
+    ids, mask = _prompt(kind)
+    _same_tokens(reference, model, f"{kind} train-mode sampling", seed=5, input_ids=ids, attention_mask=mask,
+                 max_new_tokens=4, do_sample=True)
+
+
+def _refused(make, pattern: str) -> None:
+    with pytest.raises(PipelineCallError, match=pattern):
+        make()
+    dist.barrier()  # nobody is stuck in a collective: every rank raised
+
+
+def _check_refusals(reference, model) -> None:
+    ids, mask = _prompt("llama_lm")
+    batch = mu.make_batch("llama_lm", 2, 4)
+    model.train()
+    _refused(lambda: model(**batch), "runs as one pipelined forward only to evaluate.*booster.execute_pipeline")
+    _refused(lambda: model.unwrap()(**batch), "only to evaluate")
+    model.eval()
+    with torch.no_grad():
+        _refused(lambda: model(**batch, output_hidden_states=True), "output_hidden_states=True asks for every layer")
+    _refused(lambda: model.unwrap().generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
+                                             cache_implementation="static"),
+             "the cache is a StaticCache.*DynamicCache")
+    interleaved = _boost(reference, pp_size=2, pp_style="interleaved", num_model_chunks=2).eval()
+    _refused(lambda: interleaved.unwrap().generate(input_ids=ids, max_new_tokens=2, pad_token_id=0),
+             "several model chunks.*pp_style='1f1b'")
+    t5 = _boost(mu.build("t5_lm", 2), pp_size=2).eval()
+    with torch.no_grad():
+        _refused(lambda: t5(**mu.make_batch("t5_lm", 2, 1)), "T5ForConditionalGeneration is split by its policy")
+
+
+def _four_ranks() -> None:
+    for kind in KINDS:
+        reference = mu.build(kind)
+        for layout in (dict(pp_size=2), dict(tp_size=2, pp_size=2)):
+            model = _boost(reference, **layout)
+            _check_calls(reference, model, kind)
+            if "tp_size" not in layout:  # (train mode under tp keeps the logits split over tp, as tp alone does)
+                _check_train_mode_without_grad(reference, model, kind)
+            if kind == "llama_lm" and "tp_size" not in layout:
+                _check_refusals(reference, model)
+
+
+def test_direct_calls_and_generate_under_pipeline_parallelism():
+    run_distributed(4, _four_ranks)

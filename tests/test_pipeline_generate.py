@@ -74,8 +74,8 @@ def _check_train_mode_without_grad(reference, model, kind: str) -> None:
                  max_new_tokens=4, do_sample=True)
 
 
-def _refused(make, pattern: str) -> None:
-    with pytest.raises(PipelineCallError, match=pattern):
+def _refused(make, pattern: str, error=PipelineCallError) -> None:
+    with pytest.raises(error, match=pattern):
         make()
     dist.barrier()  # nobody is stuck in a collective: every rank raised
 
@@ -89,6 +89,10 @@ def _check_refusals(reference, model) -> None:
     model.eval()
     with torch.no_grad():
         _refused(lambda: model(**batch, output_hidden_states=True), "output_hidden_states=True asks for every layer")
+        # inputs are agreed on first: a bad id, or stages given different prompts, raise alike on every rank
+        _refused(lambda: model(**{**batch, "input_ids": batch["input_ids"].clone().fill_(mu.VOCAB)}),
+                 "Token id 100 on rank [0-9] .* is outside the vocabulary", IndexError)
+        _refused(lambda: model(**mu.make_batch("llama_lm", 2, 4 + model.stage)), "got different batches", ValueError)
     _refused(lambda: model.unwrap().generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
                                              cache_implementation="static"),
              "the cache is a StaticCache.*DynamicCache")

@@ -15,20 +15,25 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Any, Callable, Dict, Iterator, List, Optional
+import sys
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from pipeline import PipelineStageManager
 from shardformer.stage.forward import CHUNK_ARGUMENT
-from shardformer.stage.pipelined_call import PipelinedCall
+from shardformer.stage.pipelined_call import CACHE_NAMES, PipelinedCall
+
+from ..guards.failure import FailureGuard
 
 __all__ = ["PipelineCallError", "chunk_calls", "in_schedule", "route_direct_calls", "running_step"]
 
 # the pipeline whose step is running in this context (None: none)
 _RUNNING: contextvars.ContextVar[Optional[PipelineStageManager]] = contextvars.ContextVar("pipeline_step",
                                                                                           default=None)
+# a check of a call's inputs, called as a forward pre-hook with kwargs (guards/batch_check.DirectCallCheck)
+InputCheck = Callable[[nn.Module, tuple, Dict[str, Any]], None]
 _CALLS = "`model(**batch)`, `model.unwrap()(**batch)`, `model.unwrap().generate(...)`"
 
 
@@ -65,39 +70,80 @@ def in_schedule() -> bool:
     return _RUNNING.get() is not None
 
 
+def _without_past_mask(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The inputs to agree on: with a cache the attention mask also covers the past tokens, so it is longer than
+    the ids (the check compares their shapes)."""
+    if any(kwargs.get(name) is not None for name in CACHE_NAMES):
+        return {k: v for k, v in kwargs.items() if k != "attention_mask"}
+    return kwargs
+
+
 def _trains(model: nn.Module) -> bool:
     return torch.is_grad_enabled() and model.training
 
 
-def route_direct_calls(boosted: nn.Module, model: nn.Module, stage_manager: PipelineStageManager,
-                       pipelined: Optional[PipelinedCall], unsupported: str = "") -> None:
-    """Calls of `boosted` (the boosted model) and `model` (the transformers model it wraps) outside a step of the
-    pipeline `stage_manager`: evaluation runs `pipelined` (None: `unsupported` says why it cannot), training and
-    calls it refuses raise PipelineCallError."""
-    num_stages = stage_manager.num_stages
+class _DirectCalls:
+    """The hooks of `route_direct_calls`."""
 
-    def check_boosted(module: nn.Module, args: tuple) -> None:
-        if _RUNNING.get() is not stage_manager and _trains(model):
-            raise PipelineCallError(_training_message(num_stages))
+    def __init__(self, model: nn.Module, stage_manager: PipelineStageManager, pipelined: Optional[PipelinedCall],
+                 unsupported: str, guard: Optional[FailureGuard], checks: Sequence[InputCheck]) -> None:
+        self.model, self.stage_manager, self.pipelined = model, stage_manager, pipelined
+        self.unsupported, self.guard, self.checks = unsupported, guard, tuple(checks)
+        self._guarded: Optional[contextlib.ExitStack] = None  # the running call's failure guard
 
-    def begin(module: nn.Module, args: tuple, kwargs: Dict[str, Any]):
-        if _RUNNING.get() is stage_manager:
+    def check_boosted(self, module: nn.Module, args: tuple) -> None:
+        if _RUNNING.get() is not self.stage_manager and _trains(self.model):
+            raise PipelineCallError(_training_message(self.stage_manager.num_stages))
+
+    def begin(self, module: nn.Module, args: tuple, kwargs: Dict[str, Any]):
+        if _RUNNING.get() is self.stage_manager:
             return None
-        if _trains(model):
+        num_stages = self.stage_manager.num_stages
+        if _trains(self.model):
             raise PipelineCallError(_training_message(num_stages))
-        reason = unsupported if pipelined is None else pipelined.refusal(kwargs)
+        reason = self.unsupported if self.pipelined is None else self.pipelined.refusal(kwargs)
         if reason:
             raise PipelineCallError(_refused_message(num_stages, reason))
-        return args, pipelined.begin(kwargs)
+        if self.checks:  # the ranks agree on the inputs first: a bad one raises alike everywhere
+            checked = _without_past_mask(kwargs)
+            for check in self.checks:
+                check(module, args, checked)
+        guarded = contextlib.ExitStack()
+        if self.guard is not None:  # a rank that fails inside ends the others' wait for it (guards/failure.py)
+            guarded.enter_context(self.guard.step("a direct call of the model (pipelined forward)"))
+        try:
+            kwargs = self.pipelined.begin(kwargs)
+        except BaseException:
+            guarded.__exit__(*sys.exc_info())
+            raise
+        self._guarded = guarded
+        return args, kwargs
 
-    def end(module: nn.Module, args: tuple, output: Any) -> None:
-        if pipelined is not None and pipelined.running:
-            pipelined.end()
+    def end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """(Also called while the forward's exception propagates: torch runs always-called hooks inside its
+        `except`, where `sys.exc_info()` is that exception.)"""
+        if self.pipelined is None or not self.pipelined.running:
+            return
+        guarded, self._guarded = self._guarded, None
+        try:
+            self.pipelined.end()
+        finally:
+            if guarded is not None:
+                guarded.__exit__(*sys.exc_info())
 
-    boosted.register_forward_pre_hook(check_boosted)
+
+def route_direct_calls(boosted: nn.Module, model: nn.Module, stage_manager: PipelineStageManager,
+                       pipelined: Optional[PipelinedCall], unsupported: str = "",
+                       guard: Optional[FailureGuard] = None, checks: Sequence[InputCheck] = ()) -> None:
+    """Calls of `boosted` (the boosted model) and `model` (the transformers model it wraps) outside a step of the
+    pipeline `stage_manager`: evaluation runs `pipelined` (None: `unsupported` says why it cannot) under `guard`,
+    after `checks` of its inputs (collective: guards/batch_check.py); training, and calls it refuses, raise
+    PipelineCallError."""
+    hooks = _DirectCalls(model, stage_manager, pipelined, unsupported, guard, checks)
+    boosted.register_forward_pre_hook(hooks.check_boosted)
     # first, so that the model's other hooks (the chunked loss's) see the call as it runs
-    model.register_forward_pre_hook(begin, with_kwargs=True, prepend=True)
-    model.register_forward_hook(end, always_call=True)
+    model.register_forward_pre_hook(hooks.begin, with_kwargs=True, prepend=True)
+    model.register_forward_hook(hooks.end, always_call=True)
 
 
 def chunk_calls(model: nn.Module, num_chunks: int) -> List[Callable[..., Any]]:

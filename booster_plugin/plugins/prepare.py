@@ -104,7 +104,11 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
                                   bucket_bytes=opts.precision.bucket_bytes, failure_guard=failure_guard)
     module.sync_params()
     if ctx.pp.size > 1:  # a stage alone cannot run the model: the schedule calls it, or every rank to evaluate
-        route_direct_calls(module, model, stage_manager, *_pipelined_call(model, sharded, stage_manager, opts.device))
+        # the ranks of a replica's pipeline (and tp groups) agree on a direct call's inputs before it runs
+        checks = [DirectCallCheck(info.batch_limits, ctx.dp.rank, group, opts.device)
+                  for group in (ctx.pp.active, ctx.tp.active) if opts.check_batches and group is not None]
+        route_direct_calls(module, model, stage_manager, *_pipelined_call(model, sharded, stage_manager, opts.device),
+                           guard=failure_guard, checks=checks)
     if opts.check_batches and ctx.tp.size > 1 and ctx.pp.size == 1:  # `model(**batch)` agrees over tp first
         module.register_forward_pre_hook(DirectCallCheck(info.batch_limits, ctx.dp.rank, ctx.tp.group, opts.device),
                                          with_kwargs=True)

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 
 from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.core.stage_calls import PipelineCallError
@@ -15,7 +16,15 @@ from tests import model_utils as mu
 from tests.dist_utils import run_distributed
 from tests.test_encoder_decoder import t5_config  # noqa: F401  (registers t5_lm)
 
-KINDS = ("llama_lm", "gpt2_lm")
+# full attention and a sliding window of 3 tokens, alternating: at pp=2 the second stage holds neither layer 0 nor
+# a full-attention layer first, so its masks' lengths come from the right layer of its own (StageCache)
+mu.MODELS["qwen2_sliding_lm"] = lambda n=4: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+    vocab_size=mu.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=32, use_sliding_window=True, sliding_window=3,
+    layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"][:n], pad_token_id=0))
+LAYOUTS = {"llama_lm": (dict(pp_size=2), dict(tp_size=2, pp_size=2)),
+           "gpt2_lm": (dict(pp_size=2), dict(tp_size=2, pp_size=2)),
+           "qwen2_sliding_lm": (dict(pp_size=2),)}
 
 
 def _boost(reference, **plugin_kwargs):
@@ -105,9 +114,9 @@ def _check_refusals(reference, model) -> None:
 
 
 def _four_ranks() -> None:
-    for kind in KINDS:
+    for kind, layouts in LAYOUTS.items():
         reference = mu.build(kind)
-        for layout in (dict(pp_size=2), dict(tp_size=2, pp_size=2)):
+        for layout in layouts:
             model = _boost(reference, **layout)
             _check_calls(reference, model, kind)
             if "tp_size" not in layout:  # (train mode under tp keeps the logits split over tp, as tp alone does)

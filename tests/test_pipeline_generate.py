@@ -113,12 +113,20 @@ def _check_refusals(reference, model) -> None:
         _refused(lambda: t5(**mu.make_batch("t5_lm", 2, 1)), "T5ForConditionalGeneration is split by its policy")
 
 
+def check_direct_calls(kind: str, reference=None, **layout):
+    """Eval calls and generation of `kind` boosted with `layout` (pp > 1) equal the unsharded model's; the boosted
+    model (also run in the world shaped as NCCL's, test_world_groups.py)."""
+    reference = reference if reference is not None else mu.build(kind)
+    model = _boost(reference, **layout)
+    _check_calls(reference, model, kind)
+    return model
+
+
 def _four_ranks() -> None:
     for kind, layouts in LAYOUTS.items():
         reference = mu.build(kind)
         for layout in layouts:
-            model = _boost(reference, **layout)
-            _check_calls(reference, model, kind)
+            model = check_direct_calls(kind, reference, **layout)
             if "tp_size" not in layout:  # (train mode under tp keeps the logits split over tp, as tp alone does)
                 _check_train_mode_without_grad(reference, model, kind)
             if kind == "llama_lm" and "tp_size" not in layout:

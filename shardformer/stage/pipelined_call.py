@@ -27,13 +27,21 @@ from transformers.cache_utils import DynamicCache
 from pipeline.stage_link import StageLink
 
 from ..expert.router_logits import ROUTER_LOGITS
-from .forward import Released, StageForward, replace_submodule, stage_output
+from .forward import Released, StageForward, get_submodule_parent, replace_submodule, stage_output
 from .stage_cache import StageCache
 
 __all__ = ["PipelinedCall"]
 
 CACHE_NAMES = ("cache", "past_key_values")  # transformers 5's keyword, and its deprecated name
 ASKED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+
+
+def _released(model: nn.Module, path: str) -> bool:
+    """Whether the module at `path` is released on this stage (False where the model has none there)."""
+    try:
+        return isinstance(getattr(*get_submodule_parent(model, path), None), Released)
+    except AttributeError:  # (its parent is absent)
+        return False
 
 
 class FromLastStage(nn.Module):
@@ -61,11 +69,9 @@ class PipelinedCall:
         self.held = stage_forward.layers.indices()
         model = stage_forward.model
         self._stand_ins: Dict[str, nn.Module] = {}
-        if not self.last:
-            self._stand_ins = {path: nn.Identity() for path in exits
-                               if isinstance(model.get_submodule(path), Released)}
-            self._stand_ins.update({name: FromLastStage(link) for name in heads
-                                    if isinstance(model.get_submodule(name), Released)})
+        if not self.last:  # (the exit modules this model has: optional ones may be None)
+            self._stand_ins = {path: nn.Identity() for path in exits if _released(model, path)}
+            self._stand_ins.update({name: FromLastStage(link) for name in heads if _released(model, name)})
         self._running: Optional[contextlib.ExitStack] = None
         view = stage_forward.chunks[0]
         if not self.last and view.exit_layer is not None:

@@ -120,16 +120,16 @@ class _DirectCalls:
         return args, kwargs
 
     def end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """(Also called while the forward's exception propagates: torch runs always-called hooks inside its
-        `except`, where `sys.exc_info()` is that exception.)"""
+        """(Also called while the forward's exception propagates: torch then runs always-called hooks with output
+        None, inside its `except`, where `sys.exc_info()` is that exception.)"""
         if self.pipelined is None or not self.pipelined.running:
             return
         guarded, self._guarded = self._guarded, None
+        failure = sys.exc_info() if output is None else (None, None, None)
         try:
             self.pipelined.end()
         finally:
-            if guarded is not None:
-                guarded.__exit__(*sys.exc_info())
+            guarded.__exit__(*failure)
 
 
 def route_direct_calls(boosted: nn.Module, model: nn.Module, stage_manager: PipelineStageManager,

@@ -97,7 +97,7 @@ class PipelinedCall:
                     f"({', '.join(sf.first_stage_inputs)}: a multimodal model); direct calls under pipeline "
                     f"parallelism run text-only decoder models")
         config = sf.loop.config
-        asked = [k for k in ASKED_OUTPUTS if kwargs.get(k, getattr(config, k, False))]
+        asked = [k for k in ASKED_OUTPUTS if (kwargs[k] if kwargs.get(k) is not None else getattr(config, k, False))]
         if asked:
             return (f"{', '.join(asked)}=True asks for every layer's outputs, which each stage holds for its own "
                     f"layers only; call without it")

@@ -2,7 +2,8 @@
 evaluate (`model(**batch)`, `model.unwrap()(**batch)`, `model.unwrap().generate(...)`) runs as one pipelined forward
 and returns on every rank what the unsharded model returns in one process: logits and loss at 1e-5 (fp32), and the
 same tokens from greedy, seeded sampling and beam search generation (left padding, eos, the KV cache filled stage by
-stage), at pp=2 (dp=2) and tp=2 x pp=2 in one 4-rank launch. Calls it cannot run are refused on every rank."""
+stage), at pp=2 (dp=2) and tp=2 x pp=2 in one 4-rank launch: Llama, GPT-2, Qwen2 with sliding-window layers, a
+Qwen3 MoE with its load-balancing loss, a LoRA model. Calls it cannot run are refused on every rank."""
 import copy
 
 import pytest
@@ -14,6 +15,7 @@ from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.core.stage_calls import PipelineCallError
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
+from tests import test_expert_parallel  # noqa: F401  (registers qwen3moe_lm)
 from tests.test_encoder_decoder import t5_config  # noqa: F401  (registers t5_lm)
 
 # full attention and a sliding window of 3 tokens, alternating: at pp=2 the second stage holds neither layer 0 nor
@@ -24,7 +26,8 @@ mu.MODELS["qwen2_sliding_lm"] = lambda n=4: transformers.Qwen2ForCausalLM(transf
     layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"][:n], pad_token_id=0))
 LAYOUTS = {"llama_lm": (dict(pp_size=2), dict(tp_size=2, pp_size=2)),
            "gpt2_lm": (dict(pp_size=2), dict(tp_size=2, pp_size=2)),
-           "qwen2_sliding_lm": (dict(pp_size=2),)}
+           "qwen2_sliding_lm": (dict(pp_size=2),),
+           "qwen3moe_lm": (dict(pp_size=2),)}  # with its load-balancing loss (output_router_logits=True)
 
 
 def _boost(reference, **plugin_kwargs):
@@ -83,6 +86,25 @@ def _check_train_mode_without_grad(reference, model, kind: str) -> None:
                  max_new_tokens=4, do_sample=True)
 
 
+def _check_lora_generates() -> None:
+    """A LoRA model (peft) generates through the PeftModel as in one process."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    base = mu.build("llama_lm")
+    torch.manual_seed(1)
+    reference = get_peft_model(copy.deepcopy(base), copy.deepcopy(config)).eval()
+    booster = Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2))
+    model = booster.enable_lora(base, lora_config=config)
+    model.load_state_dict(reference.state_dict())
+    model, *_ = booster.boost(model)
+    model.eval()
+    ids, mask = _prompt("llama_lm")
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    expected, actual = reference.generate(**kwargs), model.unwrap(unwrap_peft=False).generate(**kwargs)
+    assert torch.equal(actual, expected), ("LoRA greedy", actual, expected)
+
+
 def _refused(make, pattern: str, error=PipelineCallError) -> None:
     with pytest.raises(error, match=pattern):
         make()
@@ -131,6 +153,7 @@ def _four_ranks() -> None:
                 _check_train_mode_without_grad(reference, model, kind)
             if kind == "llama_lm" and "tp_size" not in layout:
                 _check_refusals(reference, model)
+    _check_lora_generates()
 
 
 def test_direct_calls_and_generate_under_pipeline_parallelism():

@@ -119,15 +119,15 @@ class _DirectCalls:
         self._guarded = guarded
         return args, kwargs
 
-    def end(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def end(self, module: nn.Module, args: tuple, output: Any) -> Any:
         """(Also called while the forward's exception propagates: torch then runs always-called hooks with output
         None, inside its `except`, where `sys.exc_info()` is that exception.)"""
         if self.pipelined is None or not self.pipelined.running:
-            return
+            return None
         guarded, self._guarded = self._guarded, None
         failure = sys.exc_info() if output is None else (None, None, None)
         try:
-            self.pipelined.end()
+            return self.pipelined.end(output)
         finally:
             guarded.__exit__(*failure)
 

@@ -11,6 +11,8 @@ transformers model):
   its exit modules (the final norm) are identities for the call and its head a stand-in that returns what the last
   stage's head returned, broadcast over the pp group (a forward hook on the last stage's head). What the model does
   after its head (soft-capping, the loss from `labels`) each rank then does itself, on the same values;
+- a mixture-of-experts model's router logits travel with the hidden states (expert/router_logits.py), so the last
+  stage's load-balancing loss is one process's; its `loss`, `aux_loss` and `router_logits` then reach every stage;
 - the cache: each stage fills its own layers' entries of a `StageCache` (stage_cache.py), which answers length queries
   about the other stages' layers; `generate` keeps the cache a forward returns, so its steps run on it.
 The call runs without gradients (an evaluation forward: the schedule alone runs backward passes through stages).
@@ -33,7 +35,10 @@ from .stage_cache import StageCache
 __all__ = ["PipelinedCall"]
 
 CACHE_NAMES = ("cache", "past_key_values")  # transformers 5's keyword, and its deprecated name
-ASKED_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+ASKED_OUTPUTS = ("output_hidden_states", "output_attentions")
+# fields of a mixture-of-experts output that depend on every layer's router logits (expert/router_logits.py): the
+# last stage's, whose forward saw them all
+ROUTING_FIELDS = ("loss", "aux_loss", "router_logits")
 
 
 def _released(model: nn.Module, path: str) -> bool:
@@ -125,12 +130,23 @@ class PipelinedCall:
         self._running = stack
         return self._with_stage_cache(kwargs)
 
-    def end(self) -> None:
-        """After the model's forward (also when it raised): everything back as it was, the sends completed."""
+    def end(self, output: Any) -> Any:
+        """After the model's forward (`output` None: it raised): everything back as it was, the sends completed;
+        returns the call's output (a mixture-of-experts model's loss and router logits: the last stage's)."""
         stack, self._running = self._running, None
-        if stack is not None:
+        try:
+            if output is not None and getattr(output, "router_logits", None) is not None:
+                output = self._routing_from_last(output)
+        finally:
             stack.close()
-        self.link.finish()
+            self.link.finish()
+        return output
+
+    def _routing_from_last(self, output: Any) -> Any:
+        mine = {k: output[k] for k in ROUTING_FIELDS if output.get(k) is not None} if self.last else None
+        for key, value in self.link.from_last(mine).items():
+            output[key] = value
+        return output
 
     def _with_stage_cache(self, kwargs: Dict[str, Any]) -> Dict[str, Any]:
         name = next((k for k in CACHE_NAMES if kwargs.get(k) is not None), None)

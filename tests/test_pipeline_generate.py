@@ -24,7 +24,8 @@ mu.MODELS["qwen2_sliding_lm"] = lambda n=4: transformers.Qwen2ForCausalLM(transf
     vocab_size=mu.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=32, use_sliding_window=True, sliding_window=3,
     layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"][:n], pad_token_id=0))
-LAYOUTS = {"llama_lm": (dict(pp_size=2), dict(tp_size=2, pp_size=2)),
+SP = dict(enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
+LAYOUTS = {"llama_lm": (dict(pp_size=2), dict(tp_size=2, pp_size=2), dict(tp_size=2, pp_size=2, **SP)),
            "gpt2_lm": (dict(pp_size=2), dict(tp_size=2, pp_size=2)),
            "qwen2_sliding_lm": (dict(pp_size=2),),
            "qwen3moe_lm": (dict(pp_size=2),)}  # with its load-balancing loss (output_router_logits=True)

@@ -74,6 +74,18 @@ def _check_calls(reference, model, kind: str) -> None:
     _same_tokens(reference, model, f"{kind} beam search", **prompt, do_sample=False, num_beams=2)
 
 
+def _check_eval_calls(kind: str) -> None:
+    """Heads other than a causal LM's (masked LM, sequence classification: the logits of each row's last token) give
+    one process's logits and loss."""
+    reference = mu.build(kind).eval()
+    model = _boost(reference, pp_size=2).eval()
+    batch = mu.make_batch(kind, 2, 4)
+    with torch.no_grad():
+        expected, out = reference(**batch), model(**batch)
+    mu.assert_close(out.logits, expected.logits, f"{kind} logits")
+    mu.assert_close(out.loss, expected.loss, f"{kind} loss")
+
+
 def _check_train_mode_without_grad(reference, model, kind: str) -> None:
     """GRPO-style: train mode under no_grad (the chunked causal-LM loss stays off: full logits, the model's loss)."""
     reference.train(), model.train()
@@ -155,6 +167,8 @@ def _four_ranks() -> None:
             if kind == "llama_lm" and "tp_size" not in layout:
                 _check_refusals(reference, model)
     _check_lora_generates()
+    for kind in ("bert_mlm", "llama_cls"):
+        _check_eval_calls(kind)
 
 
 def test_direct_calls_and_generate_under_pipeline_parallelism():

@@ -155,12 +155,14 @@ class PipelinedCall:
             if not isinstance(cache, StageCache):
                 kwargs = {**kwargs, name: StageCache.adopt(cache, self.held)}
             return kwargs
+        model = self.stage_forward.model
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = getattr(self.stage_forward.loop.config, "use_cache", False)
-        if not use_cache:
+        if not use_cache or not model.can_generate():  # (an encoder's config may say use_cache: it uses none)
             return kwargs
-        return {**kwargs, "cache": StageCache(self.held, config=self.stage_forward.model.config)}
+        # the cache the model would make itself, from its whole config (a stage's view holds its layers' types only)
+        return {**kwargs, "cache": StageCache(self.held, config=model.config)}
 
     @contextlib.contextmanager
     def _stand_ins_in_place(self):

@@ -20,6 +20,7 @@ The call runs without gradients (an evaluation forward: the schedule alone runs 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
@@ -34,7 +35,7 @@ from .stage_cache import StageCache
 
 __all__ = ["PipelinedCall"]
 
-CACHE_NAMES = ("cache", "past_key_values")  # transformers 5's keyword, and its deprecated name
+CACHE_NAMES = ("cache", "past_key_values")  # the cache keyword, and its earlier name (transformers 5.17)
 ASKED_OUTPUTS = ("output_hidden_states", "output_attentions")
 # fields of a mixture-of-experts output that depend on every layer's router logits (expert/router_logits.py): the
 # last stage's, whose forward saw them all
@@ -73,6 +74,8 @@ class PipelinedCall:
         self.first, self.last = sm.is_first_stage(), sm.is_last_stage()
         self.held = stage_forward.layers.indices()
         model = stage_forward.model
+        params = inspect.signature(model.forward).parameters
+        self._cache_name = next((name for name in CACHE_NAMES if name in params), None)  # (None: it takes none)
         self._stand_ins: Dict[str, nn.Module] = {}
         if not self.last:  # (the exit modules this model has: optional ones may be None)
             self._stand_ins = {path: nn.Identity() for path in exits if _released(model, path)}
@@ -159,10 +162,10 @@ class PipelinedCall:
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = getattr(self.stage_forward.loop.config, "use_cache", False)
-        if not use_cache or not model.can_generate():  # (an encoder's config may say use_cache: it uses none)
-            return kwargs
+        if not use_cache or not model.can_generate() or self._cache_name is None:  # (an encoder's config may say
+            return kwargs                                                           # use_cache: it uses none)
         # the cache the model would make itself, from its whole config (a stage's view holds its layers' types only)
-        return {**kwargs, "cache": StageCache(self.held, config=model.config)}
+        return {**kwargs, self._cache_name: StageCache(self.held, config=model.config)}
 
     @contextlib.contextmanager
     def _stand_ins_in_place(self):

@@ -137,6 +137,9 @@ def _check_refusals(reference, model) -> None:
         _refused(lambda: model(**{**batch, "input_ids": batch["input_ids"].clone().fill_(mu.VOCAB)}),
                  "Token id 100 on rank [0-9] .* is outside the vocabulary", IndexError)
         _refused(lambda: model(**mu.make_batch("llama_lm", 2, 4 + model.stage)), "got different batches", ValueError)
+    torch.manual_seed(model.stage)  # the stages sample different tokens: the next forward's agreement raises
+    _refused(lambda: model.unwrap().generate(input_ids=ids, max_new_tokens=4, do_sample=True, pad_token_id=0),
+             "different contents of \\['input_ids'\\]", ValueError)
     _refused(lambda: model.unwrap().generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
                                              cache_implementation="static"),
              "the cache is a StaticCache.*DynamicCache")

@@ -179,6 +179,7 @@ class PipelinedCall:
             for path, module in restore.items():
                 replace_submodule(model, path, module)
 
+    @torch.compiler.disable  # eager after a compiled layer (regional compilation), as StageForward's exit hook
     def _send_on(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.running:
             self.link.send(stage_output(output))

@@ -2,7 +2,7 @@
 evaluate (`model(**batch)`, `model.unwrap()(**batch)`, `model.unwrap().generate(...)`) runs as one pipelined forward
 and returns on every rank what the unsharded model returns in one process: logits and loss at 1e-5 (fp32), and the
 same tokens from greedy, seeded sampling and beam search generation (left padding, eos, the KV cache filled stage by
-stage), at pp=2 (dp=2) and tp=2 x pp=2 in one 4-rank launch: Llama, GPT-2, Qwen2 with sliding-window layers, a
+stage), at pp=2 (dp=2), tp=2 x pp=2 and pp=4 in one 4-rank launch: Llama, GPT-2, Qwen2 with sliding-window layers, a
 Qwen3 MoE with its load-balancing loss, a LoRA model. Calls it cannot run are refused on every rank."""
 import copy
 
@@ -25,14 +25,15 @@ mu.MODELS["qwen2_sliding_lm"] = lambda n=4: transformers.Qwen2ForCausalLM(transf
     num_key_value_heads=2, max_position_embeddings=32, use_sliding_window=True, sliding_window=3,
     layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"][:n], pad_token_id=0))
 SP = dict(enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
-LAYOUTS = {"llama_lm": (dict(pp_size=2), dict(tp_size=2, pp_size=2), dict(tp_size=2, pp_size=2, **SP)),
+LAYOUTS = {"llama_lm": (dict(pp_size=2), dict(tp_size=2, pp_size=2), dict(tp_size=2, pp_size=2, **SP),
+                        dict(pp_size=4)),  # (middle stages: receive, send on, and the head's broadcast)
            "gpt2_lm": (dict(pp_size=2), dict(tp_size=2, pp_size=2)),
            "qwen2_sliding_lm": (dict(pp_size=2),),
            "qwen3moe_lm": (dict(pp_size=2),)}  # with its load-balancing loss (output_router_logits=True)
 
 
 def _boost(reference, **plugin_kwargs):
-    plugin = HybridParallelPlugin(num_microbatches=2, **plugin_kwargs)
+    plugin = HybridParallelPlugin(**{"num_microbatches": plugin_kwargs.get("pp_size", 2), **plugin_kwargs})
     model, *_ = Booster(plugin=plugin).boost(copy.deepcopy(reference))
     return model
 

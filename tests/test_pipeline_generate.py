@@ -15,7 +15,7 @@ from booster_plugin import Booster, HybridParallelPlugin
 from booster_plugin.core.stage_calls import PipelineCallError
 from tests import model_utils as mu
 from tests.dist_utils import run_distributed
-from tests import test_expert_parallel  # noqa: F401  (registers qwen3moe_lm)
+from tests import test_expert_parallel, test_multimodal  # noqa: F401  (register qwen3moe_lm, llava)
 from tests.test_encoder_decoder import t5_config  # noqa: F401  (registers t5_lm)
 
 # full attention and a sliding window of 3 tokens, alternating: at pp=2 the second stage holds neither layer 0 nor
@@ -148,8 +148,11 @@ def _check_refusals(reference, model) -> None:
     _refused(lambda: interleaved.unwrap().generate(input_ids=ids, max_new_tokens=2, pad_token_id=0),
              "several model chunks.*pp_style='1f1b'")
     t5 = _boost(mu.build("t5_lm", 2), pp_size=2).eval()
+    llava = _boost(mu.build("llava", 4), pp_size=2).eval()
     with torch.no_grad():
         _refused(lambda: t5(**mu.make_batch("t5_lm", 2, 1)), "T5ForConditionalGeneration is split by its policy")
+        _refused(lambda: llava(**mu.make_batch("llava", 2, 1)),
+                 "LlavaForConditionalGeneration takes inputs only its first stage reads \\(pixel_values")
 
 
 def check_direct_calls(kind: str, reference=None, **layout):

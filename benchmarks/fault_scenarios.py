@@ -88,14 +88,14 @@ S = Scenario
 SCENARIOS = [
     S("1", "`model.unwrap().generate(...)` under pp=2", 2, f"""
         booster, model, opt = boost({PP2})
-        model.unwrap().generate(batch()["input_ids"][:1, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
-        ok("generated")""",
-      "PipelineCallError on both ranks naming execute_pipeline", {-1: r"^PipelineCallError: .*execute_pipeline"}),
-    S("2", "`model(**batch)` under pp=2", 2, f"""
+        out = model.unwrap().generate(batch()["input_ids"][:1, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
+        ok(f"generated {{out.tolist()}}")""",
+      "ok: both ranks generate the same tokens (one pipelined forward per token)", {-1: r"^ok generated \[\["}),
+    S("2", "`model(**batch)` in train mode under pp=2", 2, f"""
         booster, model, opt = boost({PP2})
         model(**batch())
         ok("called")""",
-      "PipelineCallError on both ranks", {-1: r"^PipelineCallError: .*execute_pipeline"}),
+      "PipelineCallError on both ranks naming execute_pipeline", {-1: r"^PipelineCallError: .*execute_pipeline"}),
     S("3", "execute_pipeline after `model.eval()`, no `no_grad`, no optimizer (pp=2)", 2, f"""
         booster, model, _ = boost({PP2}, optimizer=False)
         model.eval()

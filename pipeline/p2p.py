@@ -53,7 +53,7 @@ def unflatten(tree: Dict[str, Any], tensors: List[torch.Tensor]) -> Any:
     return tree_unflatten(leaves, treespec_loads(tree["spec"]))
 
 
-def _metadata(tree: Dict[str, Any], tensors: List[torch.Tensor]) -> bytes:
+def encode_metadata(tree: Dict[str, Any], tensors: List[torch.Tensor]) -> bytes:
     specs = [[list(t.shape), str(t.dtype).removeprefix("torch."), t.requires_grad] for t in tensors]
     return json.dumps({"tree": tree, "tensors": specs}, separators=(",", ":")).encode()
 
@@ -155,7 +155,7 @@ class PipelineP2PCommunication:
         header_sends, meta_sends, out_tensors = [], [], []
         for peer, direction, obj, channel in sends:
             tree, tensors = flatten(obj)
-            meta = _metadata(tree, tensors)
+            meta = encode_metadata(tree, tensors)
             link = self._link(peer, direction, "send", channel)
             if cache and not link.header_due and meta != link.meta:
                 raise RuntimeError("A pipeline stage sent differently shaped data within one step; the metadata "

@@ -16,6 +16,7 @@ from pipeline.groups import backend_map, barrier_group, group_backend, world_gro
 from tests import model_utils as mu
 from tests import test_expert_parallel  # noqa: F401  (registers the MoE families in mu.MODELS)
 from tests.dist_utils import run_distributed
+from tests.test_pipeline_generate import check_direct_calls
 from tests.test_fsdp_plugins import PLUGINS, _train_save_resume
 
 NCCL_SHAPED = "cuda:gloo"  # a world group with no CPU backend, as "nccl"
@@ -38,6 +39,7 @@ def _four_ranks(directory: str) -> None:
     mu.check_training("qwen3moe_lm", ep_size=2, pp_size=2, num_microbatches=2)  # router loss on; dp 2 = ep 2
     mu.check_training("llama_packed_lm", sp_size=2, sequence_parallelism_mode="ring_attn", zero_stage=1, **SP)
     mu.check_evaluation("llama_lm", tp_size=2, pp_size=2, num_microbatches=2)
+    check_direct_calls("llama_lm", tp_size=2, pp_size=2)  # model(**batch) and generate, pipelined
 
 
 def _two_ranks(directory: str) -> None:

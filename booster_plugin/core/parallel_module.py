@@ -18,6 +18,7 @@ from shardformer.layer.spec import get_tp_spec
 from ..guards.failure import FailureGuard
 from .grad_bucket import BUCKET_BYTES, GradBucket, ReduceAxis, broadcast_params, make_buckets
 from .regional_compile import tracing_checkpoints
+from .stage_calls import in_schedule
 
 if TYPE_CHECKING:
     from shardformer.chunked_loss import ChunkedLoss
@@ -255,7 +256,7 @@ class HybridParallelModule(nn.Module):
         if self._buckets and self.pp_group is None and torch.is_grad_enabled():
             self._forwards += 1
         with tracing_checkpoints() if self.info.compiled_layers else contextlib.nullcontext():
-            if self._stage_forward is not None:
+            if self._stage_forward is not None and in_schedule():  # else every rank's call: one pipelined forward
                 return self._stage_forward(*args, **kwargs)
             return self.module(*args, **kwargs)
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from pipeline import PipelineStageManager
 from pipeline.context import ParallelContext
+from pipeline.stage_link import StageLink
 from pipeline.styles import ScheduleStyle
 from pipeline.trace import ScheduleTracer
 from shardformer.layer.dropout import TPRNGTracker
@@ -32,6 +33,8 @@ from shardformer.proof.prove import prove_policy
 from shardformer.precision import cast_to_compute_dtype
 from shardformer.shard_config import SequenceSplit
 from shardformer.sharder import ShardConfig, Sharder, ShardResult
+from shardformer.stage.forward import StageForward
+from shardformer.stage.pipelined_call import PipelinedCall
 
 from ..core.activation_checkpoint import apply_activation_checkpointing
 from ..guards.batch_check import BatchLimits, DirectCallCheck, label_vocab_of, vocab_of
@@ -45,7 +48,7 @@ from ..core.regional_compile import compile_layers
 from .optimizer_carry import carry_state, unsharded_state
 from ..guards.optimizer_guard import guard_parameters
 from ..core.parallel_module import HybridParallelModule, ModelInfo, SharedParam
-from ..core.stage_calls import refuse_calls_outside_schedule
+from ..core.stage_calls import route_direct_calls
 from .usage_checks import agree_on_model, refuse_boosted_twice, remember_boosted
 from ..core.zero import ZeroOptimizer, check_zero_optimizer
 
@@ -100,8 +103,12 @@ def prepare_model(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], 
     module = HybridParallelModule(model, sharded.stage_forward, ctx, info, shared, opts.precision.zero_stage,
                                   bucket_bytes=opts.precision.bucket_bytes, failure_guard=failure_guard)
     module.sync_params()
-    if ctx.pp.size > 1:  # a stage alone cannot run the model: only the schedule may call it
-        refuse_calls_outside_schedule((module, model), stage_manager)
+    if ctx.pp.size > 1:  # a stage alone cannot run the model: the schedule calls it, or every rank to evaluate
+        # the ranks of a replica's pipeline (and tp groups) agree on a direct call's inputs before it runs
+        checks = [DirectCallCheck(info.batch_limits, ctx.dp.rank, group, opts.device)
+                  for group in (ctx.pp.active, ctx.tp.active) if opts.check_batches and group is not None]
+        route_direct_calls(module, model, stage_manager, *_pipelined_call(model, sharded, stage_manager, opts.device),
+                           guard=failure_guard, checks=checks)
     if opts.check_batches and ctx.tp.size > 1 and ctx.pp.size == 1:  # `model(**batch)` agrees over tp first
         module.register_forward_pre_hook(DirectCallCheck(info.batch_limits, ctx.dp.rank, ctx.tp.group, opts.device),
                                          with_kwargs=True)
@@ -166,6 +173,19 @@ def _shard(model: nn.Module, policy: Policy, opts: PrepareOptions, ctx: Parallel
     if opts.sharding.speed.compile_layers:  # compiled at their first call, with everything above in place
         compile_layers(list(sharded.plan.layer_list(model)))
     return sharded
+
+
+def _pipelined_call(model: nn.Module, sharded: ShardResult, stage_manager: PipelineStageManager,
+                    device: torch.device) -> Tuple[Optional[PipelinedCall], str]:
+    """How this stage runs a direct evaluation call as part of one pipelined forward (None, and why not)."""
+    stage_forward = sharded.stage_forward
+    if not isinstance(stage_forward, StageForward):
+        return None, (f"{type(model).__name__} is split by its policy's own stage structure (an encoder-decoder "
+                      f"model), which direct calls under pipeline parallelism do not run")
+    plan = sharded.plan
+    chunked = sharded.chunked_loss
+    return PipelinedCall(stage_forward, [plan.base_prefix + path for path in plan.exit], list(plan.heads),
+                         StageLink(stage_manager, device), chunked.full_logits if chunked is not None else None), ""
 
 
 def _policy_of(model: nn.Module, opts: PrepareOptions, ctx: ParallelContext) -> Policy:

@@ -22,9 +22,10 @@ which submodules exist.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -123,6 +124,10 @@ class HeldLayers(nn.ModuleList):
         keys = self._modules if self.active is None else self.active
         return [self._modules[k] for k in keys]
 
+    def indices(self) -> List[int]:
+        """The HF indices of every held layer."""
+        return [int(key) for key in self._modules]
+
     def __iter__(self):
         return iter(self._visible())
 
@@ -155,7 +160,7 @@ class _StageExit(Exception):
         self.output = output
 
 
-def _stage_output(layer_output: Any) -> Dict[str, object]:
+def stage_output(layer_output: Any) -> Dict[str, object]:
     """What a non-last stage sends on, taken inside its forward: the last layer's hidden states, and the router
     logits recorded so far where the forward records them."""
     output = {"hidden_states": layer_output[0] if isinstance(layer_output, (tuple, list)) else layer_output}
@@ -215,7 +220,7 @@ class StageForward:
     def _exit_hook(self, module, args, output):
         if self._armed is module:  # disarmed during activation recomputation, which re-runs the layer in backward
             self._armed = None
-            raise _StageExit(_stage_output(output))
+            raise _StageExit(stage_output(output))
 
     def __call__(self, hidden_states: Optional[torch.Tensor] = None, pipeline_chunk: int = 0, **kwargs) -> Any:
         view = self.chunks[pipeline_chunk]
@@ -225,17 +230,28 @@ class StageForward:
                 kwargs.pop(key, None)
             if hidden_states is None:
                 raise ValueError("This pipeline stage needs the previous stage's `hidden_states`.")
+        with self.viewing(pipeline_chunk, hidden_states, router_logits):
+            self._armed = view.exit_layer
+            try:
+                return self.model(**kwargs, **self._extra)
+            except _StageExit as done:
+                return done.output
+
+    @contextlib.contextmanager
+    def viewing(self, pipeline_chunk: int, hidden_states: Optional[torch.Tensor] = None,
+                router_logits: Optional[Sequence[torch.Tensor]] = None) -> Iterator[None]:
+        """Inside, the model looks as chunk `pipeline_chunk` sees it (its layers, entry stand-ins, config view) and
+        its first layer takes `hidden_states` (received from the previous stage; None on the first virtual stage)."""
+        view = self.chunks[pipeline_chunk]
+        if view.entry_layer is not None:
             self._value, self._router_logits = hidden_states, router_logits
         restore = {path: self.model.get_submodule(path) for path in view.modules}
         for path, module in view.modules.items():
             replace_submodule(self.model, path, module)
         self.layers.active = view.layer_keys
-        self._armed = view.exit_layer
         try:
             with config_swapped(self.loop, view.config):
-                return self.model(**kwargs, **self._extra)
-        except _StageExit as done:
-            return done.output
+                yield
         finally:
             self._armed = None
             self.layers.active = None

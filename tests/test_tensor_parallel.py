@@ -74,7 +74,8 @@ def _check_dropout_keeps_replicas_identical(**sp):
 
 
 def _check_generation_matches(kinds=("gpt2_lm", "llama_lm"), **sp):
-    """Eval mode gathers the vocab-parallel logits (padding stripped): greedy generation equals the unsharded one."""
+    """Eval mode and no-grad calls gather the vocab-parallel logits (padding stripped): greedy generation equals the
+    unsharded one."""
     for kind in kinds:
         reference = mu.build(kind).eval()
         model, *_ = Booster(plugin=HybridParallelPlugin(tp_size=2, **sp)).boost(copy.deepcopy(reference))
@@ -87,6 +88,10 @@ def _check_generation_matches(kinds=("gpt2_lm", "llama_lm"), **sp):
             logits = model(input_ids=prompt).logits
         assert logits.shape[-1] == mu.VOCAB
         assert torch.equal(actual, expected), (actual, expected)
+        if not sp:  # train mode under no_grad (sampling between steps): the head gathers the logits too
+            model.train()
+            with torch.no_grad():
+                assert torch.equal(model.unwrap().generate(prompt, **kwargs), expected)
 
 
 def _check_pretrained_minilm():

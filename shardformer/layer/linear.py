@@ -201,8 +201,10 @@ class ColumnParallelLinear(OnAxis, UnshardedStateDict, nn.Module):
 
     @property
     def gathers_output(self) -> bool:
-        """Does forward return the full output (else this rank's columns)?"""
-        return self.gather_output or (self.gather_output_in_eval and not self.training)
+        """Does forward return the full output (else this rank's columns)? A vocab-parallel head gathers it wherever
+        no backward follows (eval mode, or a no-grad call in train mode: `generate`, a metric), so a caller never sees
+        a vocabulary shard it could mistake for the logits."""
+        return self.gather_output or (self.gather_output_in_eval and not (self.training and torch.is_grad_enabled()))
 
     def gather(self, out: Tensor) -> Tensor:
         """The full, unpadded output (fused areas in their native order) from every rank's columns `out`."""

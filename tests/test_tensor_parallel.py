@@ -88,10 +88,13 @@ def _check_generation_matches(kinds=("gpt2_lm", "llama_lm"), **sp):
             logits = model(input_ids=prompt).logits
         assert logits.shape[-1] == mu.VOCAB
         assert torch.equal(actual, expected), (actual, expected)
-        if not sp:  # train mode under no_grad (sampling between steps): the head gathers the logits too
-            model.train()
-            with torch.no_grad():
+        model.train()  # train mode under no_grad (sampling between steps): the head gathers the logits too
+        with torch.no_grad():
+            if not sp:
                 assert torch.equal(model.unwrap().generate(prompt, **kwargs), expected)
+            else:  # the sequence is split as in training: one new token cannot be, and the error says model.eval()
+                with pytest.raises(ValueError, match=r"sequence length 1: .* call model.eval\(\) first"):
+                    model.unwrap().generate(prompt, **kwargs)
 
 
 def _check_pretrained_minilm():

@@ -33,6 +33,7 @@ import re
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional
 
+import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -291,6 +292,11 @@ def apply_sequence_parallelism(model: nn.Module, plan: Plan, span: SequenceSpan,
     return head
 
 
+# a no-grad call in train mode (generate, a metric between steps) splits the sequence as training does
+_EVAL_HINT = (" Without gradients (generate, an evaluation) call model.eval() first: in eval mode the layers run on "
+              "the whole sequence, any length.")
+
+
 class _SplitSequence:
     """Forward pre-hook of the first layer: keep this rank's chunk of the hidden states (training mode); `zigzag`:
     its two chunks of 2 * world (ring attention's balanced layout)."""
@@ -313,7 +319,7 @@ class _SplitSequence:
             raise ValueError(f"enable_sequence_parallelism splits the sequence over {self.size_name}={self.world} ranks"
                              f"{' in 2 chunks each (ring_attn)' if self.zigzag else ''}, but this batch has sequence "
                              f"length {length}: pad the batch to a multiple of {multiple} (e.g. the tokenizer's "
-                             f"pad_to_multiple_of={multiple}).")
+                             f"pad_to_multiple_of={multiple}).{_EVAL_HINT if not torch.is_grad_enabled() else ''}")
         if self.zigzag:
             hidden = hidden.index_select(SEQUENCE_DIM, zigzag_index(length, self.world, hidden.device))
         return split_to_tp(hidden, SEQUENCE_DIM, self.group)

@@ -40,7 +40,12 @@ _MASKED = (("attention_mask", ("input_ids", "inputs_embeds")),
            ("decoder_attention_mask", ("decoder_input_ids", "decoder_inputs_embeds")))
 _SHARD_OVER_DP = ("Every tp rank and pipeline stage of a data-parallel replica must get the same batch: shard the "
                   "data over dp only (plugin.prepare_dataloader, or DistributedSampler(num_replicas=dp_size, "
-                  "rank=dp_rank) with the plugin's dp_size and dp_rank), not over the whole world")
+                  "rank=dp_rank) with the plugin's dp_size and dp_rank), not over the whole world, with the same "
+                  "sequence length and microbatch settings on every rank")
+# the same for a call of the model the script makes itself (evaluation, each forward of `generate`)
+SAME_DIRECT_CALL = ("Every tp rank and pipeline stage of a data-parallel replica must call the model with the same "
+                    "inputs; to sample (generate(do_sample=True)), seed the global RNG alike on those ranks "
+                    "(torch.manual_seed(seed) on every rank) so that they draw the same tokens")
 _AGREED = contextvars.ContextVar("batch_agreed", default=False)
 
 
@@ -148,7 +153,8 @@ def _padded(values: List[int], slots: int) -> List[int]:
 
 
 def agree_on_batch(batch: Any, limits: BatchLimits, split: Callable[[Any], int], dp_rank: int,
-                   device: torch.device, group: Optional[dist.ProcessGroup] = None) -> None:
+                   device: torch.device, group: Optional[dist.ProcessGroup] = None,
+                   fix: str = _SHARD_OVER_DP) -> None:
     """Raise the same error on every rank of `group` if any rank's batch is bad; collective over `group`.
 
     Args:
@@ -158,6 +164,7 @@ def agree_on_batch(batch: Any, limits: BatchLimits, split: Callable[[Any], int],
         dp_rank: this rank's data-parallel replica; its ranks must agree on shapes, split and contents.
         device: where the description tensor lives (the backend's device).
         group: the ranks that agree (default: the world).
+        fix: what ranks of one replica given different batches must do (the error's advice).
     """
     d = _describe(batch, limits, split)
     row = [dp_rank, d.code, *_padded(d.details, _DETAIL_SLOTS), d.microbatches, *_padded(d.shapes, _SHAPE_SLOTS),
@@ -183,7 +190,7 @@ def agree_on_batch(batch: Any, limits: BatchLimits, split: Callable[[Any], int],
     for rank, row in zip(ranks, rows):
         if row[1] != OK:
             raise _bad_batch(row, rank, limits)
-    _check_replicas(rows, ranks, [k for k, _ in _tensors(batch)])
+    _check_replicas(rows, ranks, [k for k, _ in _tensors(batch)], fix)
 
 
 def _bad_batch(row: List[int], rank: int, limits: BatchLimits) -> Exception:
@@ -211,7 +218,7 @@ def _bad_batch(row: List[int], rank: int, limits: BatchLimits) -> Exception:
                       f"an epoch: prepare_dataloader(..., drop_last=True)).")
 
 
-def _check_replicas(rows: List[List[int]], ranks: Sequence[int], keys: List[str]) -> None:
+def _check_replicas(rows: List[List[int]], ranks: Sequence[int], keys: List[str], fix: str) -> None:
     """Each rank's shapes, split and digests against those of the first rank of its replica (every replica is
     checked on every rank, so that all raise the same error)."""
     first: Dict[int, int] = {}
@@ -221,8 +228,7 @@ def _check_replicas(rows: List[List[int]], ranks: Sequence[int], keys: List[str]
         j = first[row[0]]
         if row[_SPLIT:_DIGESTS] != rows[j][_SPLIT:_DIGESTS]:
             raise ValueError(f"The ranks of data-parallel replica {row[0]} got different batches: rank {ranks[j]} has "
-                             f"{_shape_text(rows[j])}, rank {ranks[i]} has {_shape_text(row)}. {_SHARD_OVER_DP}, with "
-                             f"the same sequence length and microbatch settings on every rank.")
+                             f"{_shape_text(rows[j])}, rank {ranks[i]} has {_shape_text(row)}. {fix}.")
     for i, row in enumerate(rows):
         j = first[row[0]]
         slots = [s for s in range(_DIGEST_SLOTS) if row[_DIGESTS + s] != rows[j][_DIGESTS + s]]
@@ -230,7 +236,7 @@ def _check_replicas(rows: List[List[int]], ranks: Sequence[int], keys: List[str]
             names = [n for s in slots for n in (keys[s:] if s == _DIGEST_SLOTS - 1 else keys[s:s + 1])]
             raise ValueError(f"The ranks of data-parallel replica {row[0]} got different batches: rank {ranks[j]} and "
                              f"rank {ranks[i]} have the same shapes but different contents of {names}. "
-                             f"{_SHARD_OVER_DP}.")
+                             f"{fix}.")
 
 
 def _shape_text(row: List[int]) -> str:
@@ -272,7 +278,7 @@ class DirectCallCheck:
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
         if not _AGREED.get():
             batch = {**{f"args[{i}]": a for i, a in enumerate(args)}, **kwargs}
-            agree_on_batch(batch, self.limits, _whole, self.dp_rank, self.device, self.tp_group)
+            agree_on_batch(batch, self.limits, _whole, self.dp_rank, self.device, self.tp_group, SAME_DIRECT_CALL)
 
 
 def label_vocab_of(model: torch.nn.Module) -> Optional[int]:

@@ -58,6 +58,16 @@ def encode_metadata(tree: Dict[str, Any], tensors: List[torch.Tensor]) -> bytes:
     return json.dumps({"tree": tree, "tensors": specs}, separators=(",", ":")).encode()
 
 
+def decode_metadata(raw: bytes) -> Dict[str, Any]:
+    """The tree and tensor specs `encode_metadata` wrote."""
+    return json.loads(raw.decode())
+
+
+def empty_tensors(decoded: Dict[str, Any], device: torch.device) -> List[torch.Tensor]:
+    """Tensors to receive the ones `decoded` describes into."""
+    return [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype, _ in decoded["tensors"]]
+
+
 class Send(NamedTuple):
     """One send of `exchange` (a plain (peer, direction, obj) tuple is channel 0)."""
     peer: int
@@ -180,15 +190,14 @@ class PipelineP2PCommunication:
         if meta_sends or meta_recvs:
             self._run(meta_sends, [(p, d, raw) for p, d, raw, _ in meta_recvs])
         for _, _, raw, link in meta_recvs:
-            link.decoded = json.loads(bytes(raw.cpu().numpy()).decode())
+            link.decoded = decode_metadata(bytes(raw.cpu().numpy()))
         decoded = []
         for peer, direction, channel in recvs:
             link = self._link(peer, direction, "recv", channel)
             if link.decoded is None:
                 raise RuntimeError(f"Pipeline P2P: rank {peer} sent cached metadata that this rank never received.")
             decoded.append(link.decoded)
-        in_tensors = [[torch.empty(shape, dtype=getattr(torch, dtype), device=self.device) for shape, dtype, _ in d["tensors"]]
-                      for d in decoded]
+        in_tensors = [empty_tensors(d, self.device) for d in decoded]
         self._run([(s.peer, s.direction, t) for s, ts in zip(sends, out_tensors) for t in ts],
                   [(r.peer, r.direction, t) for r, ts in zip(recvs, in_tensors) for t in ts])
         results = []

@@ -12,13 +12,12 @@ Tensors travel on the rank's device (the pp group carries gloo beside the world'
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from .p2p import PipelineP2PCommunication, encode_metadata, flatten, unflatten
+from .p2p import PipelineP2PCommunication, decode_metadata, empty_tensors, encode_metadata, flatten, unflatten
 from .stage_manager import PipelineStageManager
 
 __all__ = ["StageLink"]
@@ -68,10 +67,8 @@ class StageLink:
         if sending:
             tensors = [t.detach().contiguous() for t in tensors]
         else:
-            decoded = json.loads(self._last.decode())
-            tree = decoded["tree"]
-            tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-                       for shape, dtype, _ in decoded["tensors"]]
+            decoded = decode_metadata(self._last)
+            tree, tensors = decoded["tree"], empty_tensors(decoded, self.device)
         for t in tensors:
             dist.broadcast(t, src=src, group=group)
         return obj if sending else unflatten(tree, tensors)
